@@ -1,0 +1,75 @@
+"""`mtpchat` command line: the TUI by default, and run / bench / doctor / models for scripts.
+
+User mistakes end with one line on stderr and a non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# Nothing touches the network at run time; keep library chatter off the terminal.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one clear line, exit 2
+        sys.stderr.write(f"mtpchat: error: {message}\n")
+        raise SystemExit(2)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model folder (Hugging Face layout); default: the best model found")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on CUDA, float32 on CPU")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import cmd_bench, cmd_run
+
+    parser = ArgumentParser(prog="mtpchat", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", parser_class=ArgumentParser)
+    chat = sub.add_parser("chat", help="open the terminal chat (the default)")
+    add_model_args(chat)
+    chat.add_argument("--depth", type=int, help="speculation depth (0 = plain decoding)")
+    cmd_run.add_parser(sub)
+    cmd_bench.add_parser(sub)
+    for name in ("cmd_models", "cmd_doctor"):
+        try:
+            mod = __import__(f"app.{name}", fromlist=["add_parser"])
+        except ImportError:
+            continue
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.errors import EngineError
+
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv if argv else ["chat"])
+    try:
+        if args.command in (None, "chat"):
+            from .tui import run_tui
+
+            return run_tui(getattr(args, "model", None), getattr(args, "depth", None),
+                           getattr(args, "device", None), getattr(args, "dtype", None))
+        module = {"run": "cmd_run", "bench": "cmd_bench", "models": "cmd_models", "doctor": "cmd_doctor"}[args.command]
+        return __import__(f"app.{module}", fromlist=["run"]).run(args)
+    except EngineError as e:
+        sys.stderr.write(f"mtpchat: error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("mtpchat: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,191 @@
+"""`mtpchat bench`: plain vs speculative decoding, MTP and oracle drafters, and transformers generate(), in one run.
+
+Every row decodes the same prompt for the same number of tokens (EOS ignored), after a warm-up, and reports the
+median of --repeat runs. Compare ratios within one run, not numbers across machines.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from engine import Engine, GenerationSettings, load_engine
+from engine.drafters import OracleDrafter
+from engine.errors import EngineError
+from engine.events import Finished, Tokens
+
+HBM_PEAK = {"H200": 4.8e12, "H100": 3.35e12}
+
+
+def add_parser(sub) -> None:
+    from .cli import add_model_args
+
+    p = sub.add_parser("bench", help="measure decoding speed: plain vs speculative vs transformers")
+    add_model_args(p)
+    p.add_argument("--random-weights", metavar="PRESET", help="a real shape with random weights "
+                   "(qwen3.5-27b, qwen3-next-80b-a3b, tiny)")
+    p.add_argument("--layers", type=int, help="with --random-weights: keep only the first N layers")
+    p.add_argument("--depths", default="0,1,2,3,4", help="comma-separated speculation depths")
+    p.add_argument("--drafter", default="mtp,oracle", help="mtp, oracle or both (comma-separated)")
+    p.add_argument("--acceptance", default="1.0,0.5,0", help="oracle acceptance rates (comma-separated)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompt", default="Write a short story about a lighthouse keeper.")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", help="also write the JSON result to this file")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise EngineError(f"{flag} {text!r}: expected comma-separated integers") from None
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise EngineError(f"{flag} {text!r}: expected comma-separated numbers") from None
+    if any(not 0 <= v <= 1 for v in vals):
+        raise EngineError(f"{flag} {text!r}: rates must be between 0 and 1")
+    return vals
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def measure(engine: Engine, prompt, depth: int, n: int, repeat: int, make_drafter=None) -> dict:
+    runs = []
+    for i in range(repeat + 1):  # the first run warms up (allocations, autotuning)
+        settings = GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True)
+        drafter = make_drafter() if make_drafter else None
+        tokens, fin = [], None
+        for ev in engine.generate(prompt, settings, drafter=drafter):
+            if isinstance(ev, Tokens):
+                tokens += ev.token_ids
+            elif isinstance(ev, Finished):
+                fin = ev
+        if i:
+            runs.append((fin.stats, tokens))
+    stats = [s for s, _ in runs]
+    best = statistics.median(s["tokens_per_s"] for s in stats)
+    last = stats[-1]
+    return {"tokens_per_s": best, "acceptance_rate": last["acceptance_rate"],
+            "mean_accepted_length": last["mean_accepted_length"],
+            "per_position_acceptance": last["per_position_acceptance"],
+            "phase_ms": {k: v / max(last["cycles"], 1) for k, v in last["phase_ms"].items()},
+            "phase_ms_total": last["phase_ms"], "cycles": last["cycles"], "ttft_ms": last["ttft_ms"],
+            "tokens": runs[-1][1]}
+
+
+def hf_generate(engine: Engine, prompt, n: int, repeat: int) -> float | None:
+    lm, dev = engine.trunk.lm, engine.trunk.device
+    ids = torch.tensor([prompt], device=dev)
+    times = []
+    try:
+        with torch.inference_mode():
+            for i in range(repeat + 1):
+                _sync(dev)
+                t0 = time.perf_counter()
+                lm.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+                _sync(dev)
+                if i:
+                    times.append(time.perf_counter() - t0)
+    except Exception as e:  # a baseline that cannot run is reported, not fatal
+        sys.stderr.write(f"mtpchat: transformers generate() baseline failed: {str(e)[:200]}\n")
+        return None
+    return n / statistics.median(times)
+
+
+def run(args) -> int:
+    from engine.presets import random_model, weight_bytes_per_token
+
+    depths = _ints(args.depths, "--depths")
+    rates = _floats(args.acceptance, "--acceptance")
+    drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
+    if any(d not in ("mtp", "oracle") for d in drafters):
+        raise EngineError(f"--drafter {args.drafter!r}: expected mtp, oracle or both")
+    if args.max_new_tokens < 2 or args.repeat < 1:
+        raise EngineError("--max-new-tokens must be >= 2 and --repeat >= 1")
+    if args.random_weights:
+        engine = Engine(random_model(args.random_weights, args.layers, args.device, args.dtype), None, set())
+        prompt = list(range(1, 33))
+    else:
+        engine = load_engine(args.model, args.device, args.dtype)
+        prompt = engine.encode_chat([{"role": "user", "content": args.prompt}])
+    n, trunk = args.max_new_tokens, engine.trunk
+    vocab = trunk.config.vocab_size
+
+    plain = measure(engine, prompt, 0, n, args.repeat)
+    reference = plain["tokens"]
+    rows = [{"depth": 0, "drafter": "none", **plain}]
+    for depth in [d for d in depths if d > 0]:
+        if "mtp" in drafters and engine.mtp_drafter is not None:
+            rows.append({"depth": depth, "drafter": "mtp", **measure(engine, prompt, depth, n, args.repeat)})
+        if "oracle" in drafters:
+            for rate in rates:
+                make = lambda: OracleDrafter(reference, len(prompt), 1.0 - rate, vocab, seed=depth)  # noqa: E731
+                row = measure(engine, prompt, depth, n, args.repeat, make)
+                rows.append({"depth": depth, "drafter": f"oracle@{rate:g}", **row})
+    for r in rows:
+        r["identical_to_plain"] = r.pop("tokens") == reference
+        r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+
+    hf = None if args.no_hf else hf_generate(engine, prompt, n, args.repeat)
+    wbytes = weight_bytes_per_token(trunk)
+    gpu = torch.cuda.get_device_name(trunk.device) if trunk.device.type == "cuda" else None
+    peak = next((v for k, v in HBM_PEAK.items() if gpu and k in gpu), None)
+    bw = wbytes * plain["tokens_per_s"]
+    result = {
+        "model": engine.info.path, "params": engine.info.params, "device": str(trunk.device), "gpu": gpu,
+        "dtype": engine.info.dtype, "max_new_tokens": n, "repeat": args.repeat,
+        "results": rows,
+        "hf_generate_tokens_per_s": hf,
+        "plain_vs_hf": plain["tokens_per_s"] / hf if hf else None,
+        "weight_bytes_per_token": wbytes,
+        "plain_bandwidth_bytes_per_s": bw,
+        "hbm_peak_bytes_per_s": peak,
+        "plain_fraction_of_hbm_peak": bw / peak if peak else None,
+        "backends": {op: b for op, (b, _) in trunk.backends.choice.items()},
+        "command": "mtpchat " + " ".join(sys.argv[1:]),
+    }
+    from engine.diagnostics import versions
+
+    result["versions"] = versions()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        print(format_table(result))
+    return 0
+
+
+def format_table(res: dict) -> str:
+    lines = [f"model {res['model']}  device {res['device']} {res['gpu'] or ''}  dtype {res['dtype']}  "
+             f"{res['max_new_tokens']} tokens x {res['repeat']}",
+             f"{'depth':>5} {'drafter':<12} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'mean len':>8} "
+             f"{'same':>5}  per-position acceptance / ms per cycle"]
+    for r in res["results"]:
+        pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
+        ph = " ".join(f"{k}={v:.2f}" for k, v in sorted(r["phase_ms"].items()))
+        lines.append(f"{r['depth']:>5} {r['drafter']:<12} {r['tokens_per_s']:>9.1f} {r['speedup'] or 0:>7.2f}x "
+                     f"{r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f} "
+                     f"{'yes' if r['identical_to_plain'] else 'NO':>5}  [{pos}] {ph}")
+    if res["hf_generate_tokens_per_s"]:
+        lines.append(f"transformers generate(): {res['hf_generate_tokens_per_s']:.1f} tok/s "
+                     f"(plain engine {res['plain_vs_hf']:.2f}x)")
+    if res["plain_fraction_of_hbm_peak"]:
+        lines.append(f"plain decode reads {res['weight_bytes_per_token'] / 1e9:.2f} GB/token: "
+                     f"{res['plain_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s = "
+                     f"{100 * res['plain_fraction_of_hbm_peak']:.1f}% of HBM peak")
+    return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""Export a conversation: transcript (Markdown, JSON with per-token source tags) and timing log (CSV, JSONL:
+one row per decode cycle with its phase times and acceptance)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import time
+from pathlib import Path
+
+from .store import Conversation, CycleRow, Store
+
+PHASES = ["prefill", "priming", "draft", "verify", "accept", "commit", "refresh", "sampling", "detokenize"]
+FORMATS = {
+    "md": "transcript (Markdown)",
+    "json": "transcript (JSON, per-token sources)",
+    "csv": "timing log (CSV)",
+    "jsonl": "timing log (JSONL)",
+}
+
+
+class ExportError(Exception):
+    pass
+
+
+def _slug(text: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+    return slug[:40] or "chat"
+
+
+def _stats_line(stats: dict | None) -> str:
+    if not stats:
+        return ""
+    parts = []
+    if "tokens_per_s" in stats:
+        parts.append(f"{stats['tokens_per_s']:.1f} tok/s")
+    if "depth" in stats:
+        parts.append(f"depth {stats['depth']}")
+    if "acceptance_rate" in stats:
+        parts.append(f"acceptance {100 * stats['acceptance_rate']:.0f}%")
+    if "mean_accepted_length" in stats:
+        parts.append(f"mean accepted length {stats['mean_accepted_length']:.2f}")
+    return " · ".join(parts)
+
+
+def transcript_markdown(conv: Conversation) -> str:
+    out = [f"# {conv.title or 'Chat'}", ""]
+    out.append(f"*mtpchat conversation {conv.id}, {time.strftime('%Y-%m-%d %H:%M', time.localtime(conv.created_at))}*")
+    out.append("")
+    if conv.system_prompt:
+        out += ["## System", "", conv.system_prompt, ""]
+    for msg in conv.messages:
+        heading = "User" if msg.role == "user" else f"Assistant{f' ({msg.model})' if msg.model else ''}"
+        out += [f"## {heading}", "", msg.content, ""]
+        if msg.role == "assistant":
+            notes = [n for n in (_stats_line(msg.stats), msg.status if msg.status != "complete" else "",
+                                 f"error: {msg.error}" if msg.error else "") if n]
+            if notes:
+                out += [f"*{' · '.join(notes)}*", ""]
+    return "\n".join(out)
+
+
+def transcript_json(conv: Conversation) -> dict:
+    messages = []
+    for msg in conv.messages:
+        item = {"role": msg.role, "content": msg.content, "created_at": msg.created_at}
+        if msg.role == "assistant":
+            item.update(
+                status=msg.status, model=msg.model, finish_reason=msg.finish_reason, stats=msg.stats,
+                error=msg.error, fallbacks=msg.fallbacks,
+                tokens=[
+                    {"id": tid, "text": piece, "source": source}
+                    for tid, piece, source in zip(msg.token_ids, msg.pieces, msg.sources)
+                ],
+            )
+        messages.append(item)
+    return {
+        "format": "mtpchat-transcript",
+        "version": 1,
+        "id": conv.id,
+        "title": conv.title,
+        "system_prompt": conv.system_prompt,
+        "created_at": conv.created_at,
+        "messages": messages,
+    }
+
+
+def _cycle_record(row: CycleRow) -> dict:
+    return {
+        "message_id": row.message_id,
+        "cycle": row.idx,
+        "depth": row.depth,
+        "drafted": row.drafted,
+        "accepted": row.accepted,
+        "accepted_per_position": row.accepted_per_position,
+        "committed": row.committed,
+        "t_ms": round(row.t_ms, 3),
+        "phase_ms": row.phase_ms,
+    }
+
+
+def timing_csv(rows: list[CycleRow]) -> str:
+    phases = list(PHASES)
+    for row in rows:
+        phases += [p for p in row.phase_ms if p not in phases]
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(
+        ["message_id", "cycle", "depth", "drafted", "accepted", "accepted_per_position", "committed", "t_ms"]
+        + [f"{p}_ms" for p in phases]
+    )
+    for row in rows:
+        writer.writerow(
+            [row.message_id, row.idx, row.depth, row.drafted, row.accepted,
+             "".join("1" if a else "0" for a in row.accepted_per_position), row.committed, f"{row.t_ms:.3f}"]
+            + [f"{row.phase_ms[p]:.4f}" if p in row.phase_ms else "" for p in phases]
+        )
+    return buf.getvalue()
+
+
+def timing_jsonl(rows: list[CycleRow]) -> str:
+    return "".join(json.dumps(_cycle_record(row)) + "\n" for row in rows)
+
+
+def export_conversation(store: Store, conversation_id: int, directory: Path | str, formats: list[str]) -> list[Path]:
+    """Write the chosen formats into ``directory`` (created if needed); returns the written paths."""
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise ExportError(f"unknown export format: {', '.join(unknown)}" if unknown else "choose a format")
+    directory = Path(directory).expanduser()
+    conv = store.load_conversation(conversation_id)
+    rows = store.cycles(conversation_id) if {"csv", "jsonl"} & set(formats) else []
+    stem = f"mtpchat-{conv.id}-{_slug(conv.title)}"
+    contents = {
+        "md": (f"{stem}.md", lambda: transcript_markdown(conv)),
+        "json": (f"{stem}.json", lambda: json.dumps(transcript_json(conv), indent=2, ensure_ascii=False) + "\n"),
+        "csv": (f"{stem}-timing.csv", lambda: timing_csv(rows)),
+        "jsonl": (f"{stem}-timing.jsonl", lambda: timing_jsonl(rows)),
+    }
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        written = []
+        for fmt in formats:
+            name, render = contents[fmt]
+            path = directory / name
+            path.write_text(render(), encoding="utf-8")
+            written.append(path)
+    except OSError as exc:
+        raise ExportError(f"cannot write to {directory}: {exc.strerror or exc}") from exc
+    return written

@@ -1,0 +1,335 @@
+"""Modal screens: help, settings, export, model picker, conversations. Each returns its result through
+``dismiss`` (the oterm pattern); none touches the engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Checkbox, DataTable, Input, Label, Static, TextArea
+
+from .export import FORMATS, ExportError
+from .settings import Settings
+
+
+class Dialog(ModalScreen):
+    BINDINGS = [Binding("escape", "cancel", "Close")]
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+# help ------------------------------------------------------------------------------------------------
+KEYS: list[tuple[str, str]] = [
+    ("enter", "send the message"),
+    ("ctrl+j", "new line in the message (shift+enter too, where the terminal reports it)"),
+    ("escape", "stop generating"),
+    ("alt+0 … alt+4", "speculation depth 0 (plain decoding) … 4, also mid-reply"),
+    ("alt+- / alt+=", "depth down / up (0…4 and +/- when the input is not focused)"),
+    ("f2", "toggle acceptance highlights (accepted MTP drafts marked)"),
+    ("f3 / f4", "timing pane / diagnostics pane (again: hide)"),
+    ("f5", "model picker (switch without restarting)"),
+    ("f6", "settings: system prompt, sampling, max tokens"),
+    ("f7", "export transcript (Markdown, JSON) and timing log (CSV, JSONL)"),
+    ("ctrl+n", "new chat"),
+    ("ctrl+o", "open a past conversation"),
+    ("ctrl+r", "retry: generate the last reply again"),
+    ("ctrl+y", "copy the last reply"),
+    ("c / k", "on a focused message: copy it / copy its next code block (click a code block to copy it)"),
+    ("ctrl+p", "command palette: depth, themes, every action above"),
+    ("f1 / ?", "this help"),
+    ("ctrl+q", "quit"),
+]
+
+
+class HelpScreen(Dialog):
+    BINDINGS = [Binding("escape,q,f1,question_mark", "cancel", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="help-dialog"):
+            yield Label("mtpchat — keys", classes="dialog-title")
+            table = Text()
+            width = max(len(k) for k, _ in KEYS)
+            for key, what in KEYS:
+                table.append(f"{key:>{width}}  ", style="bold")
+                table.append(f"{what}\n")
+            legend = Text("\nIn highlight mode, ")
+            legend.append("marked tokens", style="reverse")
+            legend.append(" came from MTP drafts the model accepted; the others from the target model.")
+            table.append_text(legend)
+            yield VerticalScroll(Static(table))
+            yield Label("escape closes", classes="dialog-hint")
+
+
+# settings --------------------------------------------------------------------------------------------
+class SettingsScreen(Dialog):
+    """Edit the system prompt of the current chat (also the default of new chats), sampling and max tokens."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save", priority=True)]
+
+    def __init__(self, settings: Settings, system_prompt: str):
+        super().__init__()
+        self.settings = settings
+        self.system_prompt = system_prompt
+
+    def compose(self) -> ComposeResult:
+        s = self.settings
+        with Vertical(classes="dialog", id="settings-dialog"):
+            yield Label("Settings", classes="dialog-title")
+            yield Label("system prompt (this chat, and the default for new chats)")
+            yield TextArea(self.system_prompt, id="set-system", soft_wrap=True)
+            with Horizontal(classes="fields"):
+                yield self._field("max tokens", "set-max", str(s.max_new_tokens), "integer")
+                yield self._field("depth", "set-depth", str(s.depth), "integer")
+                yield self._field("seed (blank: random)", "set-seed", "" if s.seed is None else str(s.seed), "integer")
+            with Horizontal(classes="fields"):
+                yield self._field("temperature (0: greedy)", "set-temperature", str(s.temperature), "number")
+                yield self._field("top-p", "set-top-p", str(s.top_p), "number")
+                yield self._field("top-k (0: off)", "set-top-k", str(s.top_k), "integer")
+            yield Label("", id="settings-error", classes="dialog-error")
+            with Horizontal(classes="buttons"):
+                yield Button("Save (ctrl+s)", id="save", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    @staticmethod
+    def _field(label: str, id: str, value: str, type: str) -> Vertical:
+        return Vertical(Label(label), Input(value, id=id, type=type), classes="field")
+
+    def _value(self, id: str, kind):
+        raw = self.query_one(f"#{id}", Input).value.strip()
+        if raw == "" and id == "set-seed":
+            return None
+        return kind(raw)
+
+    def action_save(self) -> None:
+        error = self.query_one("#settings-error", Label)
+        try:
+            new = replace(
+                self.settings,
+                max_new_tokens=self._value("set-max", int),
+                depth=self._value("set-depth", int),
+                seed=self._value("set-seed", int),
+                temperature=self._value("set-temperature", float),
+                top_p=self._value("set-top-p", float),
+                top_k=self._value("set-top-k", int),
+                system_prompt=self.query_one("#set-system", TextArea).text,
+                warnings=[],
+            )
+        except ValueError as exc:
+            error.update(f"not a number: {exc}")
+            return
+        problems = new.problems()
+        if problems:
+            error.update("; ".join(problems.values()))
+            return
+        self.dismiss(new)
+
+    @on(Button.Pressed, "#save")
+    def _save(self) -> None:
+        self.action_save()
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+
+# export ----------------------------------------------------------------------------------------------
+class ExportScreen(Dialog):
+    """Choose a folder and formats; errors (an unwritable folder) stay visible in the dialog."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, default_dir: Path, do_export: Callable[[Path, list[str]], list[Path]]):
+        super().__init__()
+        self.default_dir = default_dir
+        self.do_export = do_export
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="export-dialog"):
+            yield Label("Export this conversation", classes="dialog-title")
+            yield Label("folder")
+            yield Input(str(self.default_dir), id="export-dir")
+            for fmt, label in FORMATS.items():
+                yield Checkbox(f"{label}  .{fmt}", True, id=f"export-{fmt}")
+            yield Label("", id="export-error", classes="dialog-error")
+            with Horizontal(classes="buttons"):
+                yield Button("Export", id="export", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    @on(Input.Submitted, "#export-dir")
+    @on(Button.Pressed, "#export")
+    def action_export(self) -> None:
+        directory = Path(self.query_one("#export-dir", Input).value.strip() or self.default_dir)
+        formats = [fmt for fmt in FORMATS if self.query_one(f"#export-{fmt}", Checkbox).value]
+        try:
+            written = self.do_export(directory, formats)
+        except ExportError as exc:
+            self.query_one("#export-error", Label).update(f"export failed: {exc}")
+            self.notify(f"Export failed: {exc}", severity="error")
+            return
+        self.dismiss(written)
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+
+# model picker ----------------------------------------------------------------------------------------
+def _human_params(value) -> str:
+    if not isinstance(value, (int, float)) or value <= 0:
+        return "—" if value in (None, 0) else str(value)
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return str(int(value))
+
+
+def _yes(value) -> str:
+    return "—" if value is None else ("yes" if value else "no")
+
+
+class ModelPickerScreen(Dialog):
+    """Discovered models (``engine.discovery.discover``) plus a path field; returns the chosen path."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, current: str | None = None, discover: Callable[[], list] | None = None):
+        super().__init__()
+        self.current = current
+        self._discover = discover
+        self.candidates: list = []
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="models-dialog"):
+            yield Label("Models", classes="dialog-title")
+            yield Label(f"loaded: {self.current or '—'}", id="models-current")
+            table = DataTable(id="models-table", cursor_type="row", zebra_stripes=True)
+            table.add_columns("name", "family", "params", "MTP", "fits", "status")
+            yield table
+            yield Label("searching…", id="models-status")
+            yield Label("or a model folder (HF layout):")
+            yield Input(placeholder="/path/to/checkpoint", id="models-path")
+            with Horizontal(classes="buttons"):
+                yield Button("Load", id="load", variant="primary")
+                yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        self.query_one("#models-table", DataTable).focus()
+        self.discover_models()
+
+    @work(thread=True, exclusive=True)
+    def discover_models(self) -> None:
+        try:
+            discover = self._discover
+            if discover is None:
+                from engine.discovery import discover
+            candidates = list(discover())
+            error = None
+        except Exception as exc:  # discovery problems must not break the picker
+            candidates, error = [], f"{type(exc).__name__}: {exc}"
+        self.app.call_from_thread(self._show, candidates, error)
+
+    def _show(self, candidates: list, error: str | None) -> None:
+        self.candidates = candidates
+        table = self.query_one("#models-table", DataTable)
+        table.clear()
+        for index, c in enumerate(candidates):
+            supported = getattr(c, "supported", True)
+            status = "ok" if supported else f"unsupported: {getattr(c, 'reason', '') or '?'}"
+            if supported and getattr(c, "reason", None):
+                status = getattr(c, "reason")
+            table.add_row(
+                getattr(c, "name", "?"), getattr(c, "family", "?") or "?",
+                _human_params(getattr(c, "params", None)), str(getattr(c, "mtp_layers", "—")),
+                _yes(getattr(c, "fits_device", None)), status, key=str(index),
+            )
+        status = self.query_one("#models-status", Label)
+        if error:
+            status.update(f"discovery failed: {error}")
+        else:
+            status.update(f"{len(candidates)} model(s) found — enter loads the highlighted one")
+
+    @on(DataTable.RowSelected, "#models-table")
+    def _pick(self, event: DataTable.RowSelected) -> None:
+        candidate = self.candidates[int(event.row_key.value)]
+        if not getattr(candidate, "supported", True):
+            self.notify(f"{candidate.name} is not supported: {getattr(candidate, 'reason', '')}", severity="warning")
+            return
+        self.dismiss(str(candidate.path))
+
+    @on(Input.Submitted, "#models-path")
+    @on(Button.Pressed, "#load")
+    def _load(self) -> None:
+        path = self.query_one("#models-path", Input).value.strip()
+        if path:
+            self.dismiss(path)
+            return
+        table = self.query_one("#models-table", DataTable)
+        if self.candidates and table.cursor_row is not None and table.cursor_row < len(self.candidates):
+            candidate = self.candidates[table.cursor_row]
+            if getattr(candidate, "supported", True):
+                self.dismiss(str(candidate.path))
+                return
+        self.notify("Pick a model or type a path", severity="warning")
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel(self) -> None:
+        self.dismiss(None)
+
+
+# conversations ---------------------------------------------------------------------------------------
+class ConversationsScreen(Dialog):
+    """Past conversations, newest first: enter opens, d deletes."""
+
+    BINDINGS = [Binding("escape", "cancel", "Close"), Binding("d", "delete", "Delete")]
+
+    def __init__(self, list_conversations: Callable[[], list], delete: Callable[[int], None], current: int | None):
+        super().__init__()
+        self.list_conversations = list_conversations
+        self.delete = delete
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="conversations-dialog"):
+            yield Label("Conversations", classes="dialog-title")
+            table = DataTable(id="conversations-table", cursor_type="row", zebra_stripes=True)
+            table.add_columns("title", "messages", "updated")
+            yield table
+            yield Label("enter opens · d deletes · escape closes", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self._fill()
+        self.query_one(DataTable).focus()
+
+    def _fill(self) -> None:
+        table = self.query_one(DataTable)
+        table.clear()
+        for conv in self.list_conversations():
+            marker = "● " if conv.id == self.current else ""
+            updated = time.strftime("%Y-%m-%d %H:%M", time.localtime(conv.updated_at))
+            table.add_row(marker + (conv.title or "(empty chat)"), str(conv.messages), updated, key=str(conv.id))
+
+    @on(DataTable.RowSelected)
+    def _open(self, event: DataTable.RowSelected) -> None:
+        self.dismiss(int(event.row_key.value))
+
+    def action_delete(self) -> None:
+        table = self.query_one(DataTable)
+        if table.row_count == 0:
+            return
+        row_key, _ = table.coordinate_to_cell_key(table.cursor_coordinate)
+        conv_id = int(row_key.value)
+        if conv_id == self.current:
+            self.notify("That is the open conversation; open another one first", severity="warning")
+            return
+        self.delete(conv_id)
+        self._fill()
+        self.notify("Conversation deleted")

@@ -1,0 +1,131 @@
+"""User settings: a small JSON file in the config folder, written atomically on every change."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from . import paths
+
+MAX_DEPTH = 4  # the depth keys offer 0..MAX_DEPTH; the engine accepts any depth >= 0
+
+
+@dataclass
+class Settings:
+    theme: str = "mtp-dusk"
+    highlight: bool = True  # show accepted-draft tokens highlighted
+    side_panel: bool = True
+    depth: int = 2
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    system_prompt: str = ""  # default system prompt of new chats
+    model: str | None = None  # the model last picked in the model picker
+    keymap: dict[str, str] = field(default_factory=dict)  # binding id -> keys, e.g. {"export": "ctrl+e"}
+    warnings: list[str] = field(default_factory=list, repr=False, compare=False)
+
+    def problems(self) -> dict[str, str]:
+        """Invalid values: field name -> what is wrong (empty when all is well)."""
+        checks = {
+            "depth": (0 <= self.depth <= 16, "depth must be between 0 and 16"),
+            "max_new_tokens": (self.max_new_tokens >= 1, "max tokens must be at least 1"),
+            "temperature": (self.temperature >= 0, "temperature must be >= 0"),
+            "top_p": (0 < self.top_p <= 1, "top-p must be in (0, 1]"),
+            "top_k": (self.top_k >= 0, "top-k must be >= 0"),
+        }
+        return {name: message for name, (ok, message) in checks.items() if not ok}
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.pop("warnings")
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Settings":
+        """Build settings from parsed JSON; bad or unknown values fall back to defaults with a warning."""
+        settings = cls()
+        for f in fields(cls):
+            if f.name == "warnings" or f.name not in data:
+                continue
+            value = data[f.name]
+            default = getattr(settings, f.name)
+            try:
+                value = _coerce(value, default, f.name)
+            except (TypeError, ValueError):
+                settings.warnings.append(f"settings: ignored bad value for {f.name!r}: {value!r}")
+                continue
+            setattr(settings, f.name, value)
+        defaults = cls()
+        for name, problem in settings.problems().items():
+            settings.warnings.append(f"settings: {problem}; using the default")
+            setattr(settings, name, getattr(defaults, name))
+        return settings
+
+
+def _coerce(value, default, name: str):
+    if name in ("seed", "model"):
+        if value is None:
+            return None
+        return int(value) if name == "seed" else str(value)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise TypeError(name)
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or int(value) != value:
+            raise ValueError(name)
+        return int(value)
+    if isinstance(default, float):
+        if isinstance(value, bool):
+            raise TypeError(name)
+        return float(value)
+    if isinstance(default, dict):
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise TypeError(name)
+        return dict(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise TypeError(name)
+        return value
+    return value
+
+
+def load_settings(path: Path | None = None) -> Settings:
+    path = path or paths.settings_path()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return Settings()
+    except OSError as exc:
+        settings = Settings()
+        settings.warnings.append(f"settings: cannot read {path}: {exc.strerror}")
+        return settings
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+    except ValueError as exc:
+        settings = Settings()
+        settings.warnings.append(f"settings: {path} is not valid JSON ({exc}); using defaults")
+        return settings
+    return Settings.from_dict(data)
+
+
+def save_settings(settings: Settings, path: Path | None = None) -> None:
+    """Write atomically (temp file + rename) so a kill never leaves half a file."""
+    path = path or paths.settings_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".settings-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(settings.to_dict(), fh, indent=2, sort_keys=True)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,110 @@
+"""Live statistics of one reply, built from the cycles the decode thread reports. When the reply finishes,
+the engine's own ``Finished.stats`` replace the live estimates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .worker import CycleData
+
+SERIES_LENGTH = 120  # points kept for the sparklines
+
+
+@dataclass
+class ReplyStats:
+    depth: int = 0  # the depth requested now (may change mid-reply)
+    tokens: int = 0
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    first_token_ms: float | None = None  # time to first token, measured by the app's decode thread
+    last_token_ms: float | None = None
+    last_cycle: CycleData | None = None
+    phase_total_ms: dict[str, float] = field(default_factory=dict)
+    position_tries: list[int] = field(default_factory=list)
+    position_hits: list[int] = field(default_factory=list)
+    tps_series: list[float] = field(default_factory=list)
+    acceptance_series: list[float] = field(default_factory=list)
+    final: dict | None = None  # the engine's Finished.stats
+
+    def add_tokens(self, count: int, t_ms: float) -> None:
+        if count and self.first_token_ms is None:
+            self.first_token_ms = t_ms
+        if count:
+            self.last_token_ms = t_ms
+        self.tokens += count
+
+    def add_cycle(self, cycle: CycleData) -> None:
+        previous = self.last_cycle
+        self.cycles += 1
+        self.drafted += cycle.drafted
+        self.accepted += cycle.accepted
+        for phase, ms in cycle.phase_ms.items():
+            self.phase_total_ms[phase] = self.phase_total_ms.get(phase, 0.0) + ms
+        for pos, hit in enumerate(cycle.accepted_per_position):
+            if pos >= len(self.position_tries):
+                self.position_tries.append(0)
+                self.position_hits.append(0)
+            self.position_tries[pos] += 1
+            self.position_hits[pos] += bool(hit)
+        # throughput of this cycle: wall time since the previous one, or its phase times for the first
+        if previous is not None and cycle.t_ms > previous.t_ms:
+            seconds = (cycle.t_ms - previous.t_ms) / 1000
+        else:
+            seconds = sum(cycle.phase_ms.values()) / 1000
+        if seconds > 0:
+            self._push(self.tps_series, cycle.committed / seconds)
+        if cycle.drafted:
+            self._push(self.acceptance_series, cycle.accepted / cycle.drafted)
+        self.last_cycle = cycle
+
+    @staticmethod
+    def _push(series: list[float], value: float) -> None:
+        series.append(value)
+        del series[:-SERIES_LENGTH]
+
+    # derived values (the engine's final numbers win once the reply is finished) ------------------------
+    def _final(self, key: str):
+        return self.final.get(key) if self.final else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        final = self._final("tokens_per_s")
+        if final is not None:
+            return final
+        if self.first_token_ms is None or self.last_token_ms is None or self.tokens < 2:
+            return None
+        span = (self.last_token_ms - self.first_token_ms) / 1000
+        return (self.tokens - 1) / span if span > 0 else None
+
+    @property
+    def ttft_ms(self) -> float | None:
+        final = self._final("ttft_ms")
+        return final if final is not None else self.first_token_ms
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        final = self._final("acceptance_rate")
+        if final is not None:
+            return final
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens committed per verify cycle (accepted drafts + the target's token)."""
+        final = self._final("mean_accepted_length")
+        if final is not None:
+            return final
+        return (self.accepted + self.cycles) / self.cycles if self.cycles else None
+
+    @property
+    def per_position(self) -> list[float]:
+        final = self._final("per_position_acceptance")
+        if final is not None:
+            return list(final)
+        return [h / t if t else 0.0 for h, t in zip(self.position_hits, self.position_tries)]
+
+    @property
+    def phase_ms(self) -> dict[str, float]:
+        final = self._final("phase_ms")
+        return dict(final) if final else dict(self.phase_total_ms)

@@ -1,0 +1,234 @@
+"""The chat transcript: one ``MessageView`` per message, and the prompt input.
+
+Acceptance highlights: an assistant reply is shown either as Markdown (normal mode) or, in highlight mode, as
+its plain text with every token that came from an accepted MTP draft marked in the theme's ``$draft-token``
+colours. Highlight mode works live while streaming and for replies reopened from the database, because each
+reply stores its per-token text and source tags. (Markdown formatting and per-token marks do not mix: the
+Markdown renderer re-flows text, so token boundaries are lost; showing the raw text keeps the mapping exact.)
+"""
+
+from __future__ import annotations
+
+from markdown_it import MarkdownIt
+from textual import events
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.content import Content, Span
+from textual.message import Message
+from textual.widgets import Markdown, Static, TextArea
+from textual.widgets._markdown import MarkdownFence, MarkdownStream
+
+from .store import Message as StoredMessage
+
+DRAFT_STYLE = "$draft-token-text on $draft-token"
+TARGET_STYLE = "$target-token-text"
+
+
+def highlighted(pieces: list[str], sources: list[str]) -> Content:
+    """Plain reply text with accepted-draft tokens styled (consecutive draft tokens form one span)."""
+    text_parts: list[str] = []
+    spans: list[Span] = []
+    offset = 0
+    run_start = None
+    for piece, source in zip(pieces, sources):
+        if source == "draft":
+            if run_start is None:
+                run_start = offset
+        elif run_start is not None:
+            spans.append(Span(run_start, offset, DRAFT_STYLE))
+            run_start = None
+        text_parts.append(piece)
+        offset += len(piece)
+    if run_start is not None and offset > run_start:
+        spans.append(Span(run_start, offset, DRAFT_STYLE))
+    return Content("".join(text_parts), spans)
+
+
+def code_blocks(markdown: str) -> list[str]:
+    """The fenced and indented code blocks of a Markdown text, in order."""
+    return [t.content for t in MarkdownIt("commonmark").parse(markdown) if t.type in ("fence", "code_block")]
+
+
+def stats_line(stats: dict | None) -> str:
+    if not stats:
+        return ""
+    parts = []
+    if stats.get("tokens_per_s") is not None:
+        parts.append(f"{stats['tokens_per_s']:.1f} tok/s")
+    if stats.get("depth") is not None:
+        parts.append(f"depth {stats['depth']}")
+    if stats.get("acceptance_rate") is not None and stats.get("drafted"):
+        parts.append(f"{100 * stats['acceptance_rate']:.0f}% accepted")
+    if stats.get("mean_accepted_length") is not None and stats.get("drafted"):
+        parts.append(f"{stats['mean_accepted_length']:.2f} tok/cycle")
+    return " · ".join(parts)
+
+
+class MessageView(Vertical, can_focus=True):
+    """One message. Focus it (click, or tab) to copy it (c) or its code blocks (k)."""
+
+    BINDINGS = [
+        Binding("c", "copy", "Copy message"),
+        Binding("k", "copy_code", "Copy code"),
+    ]
+
+    def __init__(self, message: StoredMessage, *, highlight: bool = True, streaming: bool = False):
+        super().__init__(classes=message.role)
+        self.message = message
+        self.highlight = highlight
+        self.streaming = streaming
+        self._stream: MarkdownStream | None = None
+        self._code_index = 0
+
+    # composition -------------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        m = self.message
+        yield Static(self._header(), classes="message-header", markup=False)
+        if m.role == "user":
+            yield Static(Content(m.content), classes="message-body")
+            return
+        yield Markdown(m.content, classes="message-body reply-markdown")
+        yield Static(self._highlight_content(), classes="message-body reply-highlight")
+        yield Static(self._footer(), classes="message-footer", markup=False)
+
+    def on_mount(self) -> None:
+        if self.message.role == "assistant":
+            self._show_mode()
+
+    def _header(self) -> str:
+        m = self.message
+        if m.role == "user":
+            return "You"
+        return f"Assistant · {m.model}" if m.model else "Assistant"
+
+    def _footer(self) -> str:
+        m = self.message
+        notes = []
+        if self.streaming:
+            notes.append("generating…")
+        line = stats_line(m.stats)
+        if line:
+            notes.append(line)
+        if m.status == "stopped":
+            notes.append("stopped")
+        elif m.status == "interrupted":
+            notes.append("interrupted (the app was closed while it was generating)")
+        if m.error:
+            notes.append(f"error: {m.error}")
+        return " · ".join(notes)
+
+    def _highlight_content(self) -> Content:
+        m = self.message
+        if m.pieces and "".join(m.pieces).strip():
+            return highlighted(m.pieces, m.sources)
+        return Content(m.content)  # no per-token data (e.g. nothing generated yet)
+
+    def _show_mode(self) -> None:
+        self.query_one(".reply-markdown").display = not self.highlight
+        self.query_one(".reply-highlight").display = self.highlight
+        self.set_class(self.highlight, "highlight")
+
+    # updates -----------------------------------------------------------------------------------------
+    async def append(self, text: str, token_ids: list[int], sources: list[str], pieces: list[str]) -> None:
+        m = self.message
+        m.content += text
+        m.token_ids += token_ids
+        m.sources += sources
+        m.pieces += pieces
+        if self.highlight:
+            self.query_one(".reply-highlight", Static).update(self._highlight_content())
+        elif text:
+            if self._stream is None:
+                self._stream = Markdown.get_stream(self.query_one(".reply-markdown", Markdown))
+            await self._stream.write(text)
+
+    async def _stop_stream(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            await stream.stop()
+
+    async def finish(self) -> None:
+        """The reply is complete (or stopped or failed): render it fully and show its footer."""
+        self.streaming = False
+        await self._stop_stream()
+        if self.message.role == "assistant":
+            await self.refresh_body()
+            self.query_one(".message-footer", Static).update(self._footer())
+
+    def update_footer(self) -> None:
+        if self.message.role == "assistant":
+            self.query_one(".message-footer", Static).update(self._footer())
+
+    async def refresh_body(self) -> None:
+        if self.highlight:
+            self.query_one(".reply-highlight", Static).update(self._highlight_content())
+        else:
+            await self.query_one(".reply-markdown", Markdown).update(self.message.content)
+
+    async def set_highlight(self, on: bool) -> None:
+        if self.message.role != "assistant" or on == self.highlight:
+            return
+        await self._stop_stream()
+        self.highlight = on
+        await self.refresh_body()
+        self._show_mode()
+
+    # copy --------------------------------------------------------------------------------------------
+    def action_copy(self) -> None:
+        self.app.copy_to_clipboard(self.message.content)
+        self.notify(f"Copied the message ({len(self.message.content)} characters) to the clipboard")
+
+    def action_copy_code(self) -> None:
+        blocks = code_blocks(self.message.content)
+        if not blocks:
+            self.notify("This message has no code block", severity="warning")
+            return
+        index = self._code_index % len(blocks)
+        self._code_index = index + 1
+        self._copy_code(blocks[index], f"code block {index + 1}/{len(blocks)}")
+
+    def _copy_code(self, code: str, what: str) -> None:
+        self.app.copy_to_clipboard(code)
+        lines = code.count("\n") + (not code.endswith("\n"))
+        self.notify(f"Copied {what} ({lines} lines) to the clipboard")
+
+    def on_click(self, event: events.Click) -> None:
+        widget = event.widget
+        while widget is not None and widget is not self:
+            if isinstance(widget, MarkdownFence):
+                self._copy_code(widget.code, "the code block")
+                return
+            widget = widget.parent
+
+
+class PromptInput(TextArea):
+    """Multi-line prompt: Enter sends, ctrl+j (or shift+enter where the terminal reports it) adds a line."""
+
+    BINDINGS = [Binding("ctrl+j", "newline", "New line", show=False)]
+
+    class Submitted(Message):
+        def __init__(self, prompt: "PromptInput", text: str):
+            super().__init__()
+            self.prompt = prompt
+            self.text = text
+
+        @property
+        def control(self) -> "PromptInput":
+            return self.prompt
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Submitted(self, self.text))
+            return
+        if event.key in ("shift+enter", "ctrl+j"):
+            event.stop()
+            event.prevent_default()
+            self.action_newline()
+            return
+        await super()._on_key(event)
+
+    def action_newline(self) -> None:
+        self.insert("\n")

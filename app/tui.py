@@ -1,0 +1,558 @@
+"""The mtpchat Textual application.
+
+One background thread (``EngineWorker``) owns the engine; this module only sends it commands and renders the
+messages it posts. Conversations are saved to SQLite as they happen (``Store``), settings to JSON
+(``settings``), and both are reopened on start.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from textual import on
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
+
+import themes
+
+from . import paths
+from .export import export_conversation
+from .panes import DiagnosticsPane, TimingPane
+from .screens import ConversationsScreen, ExportScreen, HelpScreen, ModelPickerScreen, SettingsScreen
+from .settings import MAX_DEPTH, Settings, load_settings, save_settings
+from .stats import ReplyStats
+from .store import Conversation, CycleRow, Message, Store, StoreError
+from .transcript import MessageView, PromptInput
+from .worker import (
+    EngineLoaded,
+    EngineLoadFailed,
+    EngineLoading,
+    EngineWorker,
+    Generate,
+    ReplyFailed,
+    ReplyFinished,
+    ReplyProgress,
+    ReplyStarted,
+    SetDepth,
+    Stop,
+    SwitchModel,
+    default_loader,
+)
+
+log = logging.getLogger("mtpchat")
+
+
+@dataclass
+class Request:
+    """The reply being generated."""
+
+    message: Message
+    view: MessageView | None  # None once its conversation is no longer shown
+    stats: ReplyStats = field(default_factory=ReplyStats)
+
+
+class MtpChatApp(App):
+    TITLE = "mtpchat"
+    CSS_PATH = [Path(__file__).with_name("app.tcss"), themes.CSS_PATH]
+    COMMAND_PALETTE_BINDING = "ctrl+p"
+
+    BINDINGS = [
+        Binding("f1", "help", "Help", id="help"),
+        Binding("question_mark", "help", "Help", show=False, id="help-question"),
+        Binding("escape", "stop", "Stop", id="stop"),
+        Binding("f2", "toggle_highlight", "Highlights", id="highlight"),
+        Binding("f3", "pane('timing')", "Timing", id="timing"),
+        Binding("f4", "pane('diagnostics')", "Diagnostics", id="diagnostics"),
+        Binding("f5", "models", "Models", id="models"),
+        Binding("f6", "settings", "Settings", id="settings"),
+        Binding("f7", "export", "Export", id="export"),
+        Binding("ctrl+n", "new_chat", "New chat", id="new-chat"),
+        Binding("ctrl+o", "conversations", "Open", id="conversations"),
+        Binding("ctrl+r", "retry", "Retry", show=False, id="retry"),
+        Binding("ctrl+y", "copy_last", "Copy reply", show=False, id="copy-last"),
+        *[
+            Binding(f"alt+{d}", f"depth({d})", f"Depth {d}", show=False, priority=True, id=f"depth-{d}")
+            for d in range(MAX_DEPTH + 1)
+        ],
+        Binding("alt+minus", "depth_step(-1)", "Depth -", show=False, priority=True, id="depth-down"),
+        Binding("alt+equals_sign,alt+plus", "depth_step(1)", "Depth +", show=False, priority=True, id="depth-up"),
+        # plain keys work when the prompt is not focused (the prompt types them)
+        *[Binding(str(d), f"depth({d})", show=False) for d in range(MAX_DEPTH + 1)],
+        Binding("minus", "depth_step(-1)", show=False),
+        Binding("plus,equals_sign", "depth_step(1)", show=False),
+    ]
+
+    def __init__(
+        self,
+        model: str | None = None,
+        depth: int | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        *,
+        loader=default_loader,
+    ):
+        super().__init__()
+        self.settings: Settings = load_settings()
+        self.depth = depth if depth is not None else self.settings.depth
+        if model is None and self.settings.model and Path(self.settings.model).exists():
+            model = self.settings.model
+        self.model_arg = model
+        self.worker = EngineWorker(self.post_message, model, device, dtype, loader=loader)
+        self.engine_state = "loading"  # loading | ready | failed
+        self.model_name: str | None = None
+        self.model_path: str | None = None
+        self.store: Store | None = None
+        self.conversation: Conversation | None = None
+        self.request: Request | None = None
+        self.last_stats = ReplyStats()
+        for theme in themes.load_themes():
+            self.register_theme(theme)
+
+    # theme -----------------------------------------------------------------------------------------------
+    def get_theme_variable_defaults(self) -> dict[str, str]:
+        return themes.variable_defaults(self.current_theme)
+
+    def _theme_changed(self, theme) -> None:
+        if self.settings.theme != theme.name:
+            self.settings.theme = theme.name
+            self._save_settings()
+        for view in self.query(MessageView):
+            if view.highlight:
+                view.refresh(recompose=False)
+
+    # layout ----------------------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=False, icon="◆")
+        with Horizontal(id="main"):
+            with Vertical(id="chat"):
+                yield VerticalScroll(id="transcript")
+                with Horizontal(id="statusbar"):
+                    yield Static(" accepted draft ", classes="legend-draft", id="legend-draft")
+                    yield Static(" target ", classes="legend-target", id="legend-target")
+                    yield Static("", id="status")
+                yield PromptInput(
+                    id="prompt",
+                    placeholder="Message  (enter sends · ctrl+j new line · esc stops · f1 help)",
+                    soft_wrap=True,
+                    show_line_numbers=False,
+                )
+            with TabbedContent(id="side", initial="timing"):
+                with TabPane("Timing", id="timing"):
+                    yield TimingPane(id="timing-pane")
+                with TabPane("Diagnostics", id="diagnostics"):
+                    yield DiagnosticsPane(id="diagnostics-pane")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        if self.get_theme(self.settings.theme) is None:
+            self.settings.theme = themes.DEFAULT_THEME
+        self.theme = self.settings.theme
+        self.theme_changed_signal.subscribe(self, self._theme_changed)
+        if self.settings.keymap:
+            self.set_keymap(self.settings.keymap)
+        self.query_one("#side").display = self.settings.side_panel
+        self.query_one("#legend-draft").display = self.settings.highlight
+        self.query_one("#legend-target").display = self.settings.highlight
+        for warning in self.settings.warnings:
+            self.notify(warning, severity="warning", timeout=8)
+        try:
+            self.store = Store()
+        except StoreError as exc:
+            self.notify(f"{exc}\nConversations will not be saved this session.", severity="error", timeout=15)
+            self.store = Store(":memory:")
+        conv_id = self.store.latest_conversation_id()
+        if conv_id is None:
+            conv_id = self.store.create_conversation(self.settings.system_prompt)
+        self.open_conversation(conv_id)
+        transcript = self.query_one("#transcript", VerticalScroll)
+        transcript.anchor()
+        self.query_one("#timing-pane", TimingPane).show(self.last_stats, self.depth)
+        self.query_one("#prompt", PromptInput).focus()
+        self._update_status()
+        self.worker.start()
+
+    def on_unmount(self) -> None:
+        self.worker.shutdown()
+        if self.store is not None:
+            self.store.close()
+
+    # conversation ----------------------------------------------------------------------------------------
+    def open_conversation(self, conv_id: int) -> None:
+        assert self.store is not None
+        if self.request is not None:
+            self.request.view = None  # keeps saving, no longer shown
+        self.conversation = self.store.load_conversation(conv_id)
+        transcript = self.query_one("#transcript", VerticalScroll)
+        transcript.remove_children()
+        views = [MessageView(m, highlight=self.settings.highlight) for m in self.conversation.messages]
+        if views:
+            transcript.mount_all(views)
+        prompt = self.query_one("#prompt", PromptInput)
+        with prompt.prevent(PromptInput.Changed):
+            prompt.load_text(self.conversation.draft)
+        prompt.move_cursor(prompt.document.end)
+        self.sub_title = self._subtitle()
+        transcript.anchor()
+
+    def _subtitle(self) -> str:
+        title = self.conversation.title if self.conversation else ""
+        model = self.model_name or ("loading…" if self.engine_state == "loading" else "no model")
+        return f"{model} — {title}" if title else model
+
+    def history(self) -> list[dict]:
+        """What the model sees: system prompt, then the turns (failed empty replies left out)."""
+        conv = self.conversation
+        messages = [{"role": "system", "content": conv.system_prompt}] if conv.system_prompt.strip() else []
+        for m in conv.messages:
+            if m.role == "assistant" and (m.status in ("streaming",) or not m.content.strip()):
+                continue
+            messages.append({"role": m.role, "content": m.content})
+        return messages
+
+    @on(PromptInput.Changed, "#prompt")
+    def _draft_changed(self, event: PromptInput.Changed) -> None:
+        if self.store and self.conversation and event.text_area.text != self.conversation.draft:
+            self.conversation.draft = event.text_area.text
+            self.store.set_draft(self.conversation.id, self.conversation.draft)
+
+    @on(PromptInput.Submitted, "#prompt")
+    async def _submit(self, event: PromptInput.Submitted) -> None:
+        text = event.text
+        if not text.strip():
+            return
+        if self.request is not None:
+            self.notify("Still generating — esc stops it", severity="warning")
+            return
+        if self.engine_state == "failed":
+            self.notify("No model is loaded — pick one with f5. Your message is kept.", severity="error")
+            return
+        prompt = self.query_one("#prompt", PromptInput)
+        conv = self.conversation
+        user = self._add_message("user", text)
+        prompt.clear()  # fires Changed -> the stored draft is cleared
+        conv.title = conv.title or " ".join(text.split())[:60]
+        self.sub_title = self._subtitle()
+        await self._mount_message(user)
+        await self.generate()
+
+    async def _mount_message(self, message: Message, streaming: bool = False) -> MessageView:
+        view = MessageView(message, highlight=self.settings.highlight, streaming=streaming)
+        await self.query_one("#transcript", VerticalScroll).mount(view)
+        return view
+
+    def _add_message(self, role: str, content: str = "", **kwargs) -> Message:
+        message_id = self.store.add_message(self.conversation.id, role, content, **kwargs)
+        message = Message(id=message_id, role=role, content=content, status=kwargs.get("status", "complete"),
+                          model=kwargs.get("model"))
+        self.conversation.messages.append(message)
+        return message
+
+    async def generate(self) -> None:
+        """Ask for the next assistant reply of the open conversation."""
+        reply = self._add_message("assistant", status="streaming", model=self.model_name)
+        view = await self._mount_message(reply, streaming=True)
+        self.request = Request(reply, view)
+        self.request.stats.depth = self.depth
+        self.query_one("#transcript", VerticalScroll).anchor()
+        s = self.settings
+        self.worker.submit(Generate(
+            reply.id,
+            self.history(),
+            dict(max_new_tokens=s.max_new_tokens, depth=self.depth, temperature=s.temperature, top_p=s.top_p,
+                 top_k=s.top_k, seed=s.seed),
+        ))
+        self._show_stats()
+        self._update_status()
+
+    # engine messages -------------------------------------------------------------------------------------
+    def on_engine_loading(self, message: EngineLoading) -> None:
+        self.engine_state = "loading"
+        self.query_one("#diagnostics-pane", DiagnosticsPane).show_loading(message.model)
+        self.sub_title = self._subtitle()
+        self._update_status()
+
+    def on_engine_loaded(self, message: EngineLoaded) -> None:
+        self.engine_state = "ready"
+        self.model_name = getattr(message.info, "name", None) or "model"
+        self.model_path = str(getattr(message.info, "path", "") or "") or None
+        self.query_one("#diagnostics-pane", DiagnosticsPane).show(message.info, message.diagnostics)
+        self.sub_title = self._subtitle()
+        self._update_status()
+
+    def on_engine_load_failed(self, message: EngineLoadFailed) -> None:
+        what = message.model or "the default model"
+        if message.kept:
+            self.notify(f"Could not load {what}: {message.error}\nStill using {message.kept}.",
+                        severity="error", timeout=15)
+            return
+        self.engine_state = "failed"
+        self.model_name = None
+        self.query_one("#diagnostics-pane", DiagnosticsPane).show_failed(message.error)
+        self.notify(f"Could not load {what}: {message.error}\nPick another model with f5.",
+                    severity="error", timeout=15)
+        self.sub_title = self._subtitle()
+        self._update_status()
+
+    def _current(self, request_id: int) -> Request | None:
+        request = self.request
+        return request if request is not None and request.message.id == request_id else None
+
+    def on_reply_started(self, message: ReplyStarted) -> None:
+        request = self._current(message.request_id)
+        if request is not None and message.fallbacks:
+            reasons = "; ".join(f"{f['feature']}: {f['reason']}" for f in message.fallbacks)
+            self.notify(f"Fallback — {reasons}", severity="warning", timeout=8)
+
+    async def on_reply_progress(self, message: ReplyProgress) -> None:
+        request = self._current(message.request_id)
+        if request is None:
+            return
+        self.store.append_reply(
+            message.request_id, message.text, message.token_ids, message.sources, message.pieces,
+            [CycleRow(message.request_id, c.index, c.depth, c.drafted, c.accepted, c.accepted_per_position,
+                      c.committed, c.phase_ms, c.t_ms) for c in message.cycles],
+        )
+        stats = request.stats
+        stats.add_tokens(len(message.token_ids), message.t_ms)
+        for cycle in message.cycles:
+            stats.add_cycle(cycle)
+        if request.view is not None:
+            await request.view.append(message.text, message.token_ids, message.sources, message.pieces)
+        else:
+            request.message.content += message.text
+        self._show_stats()
+        self._update_status()
+
+    async def on_reply_finished(self, message: ReplyFinished) -> None:
+        request = self._current(message.request_id)
+        if request is None:
+            return
+        status = "stopped" if message.reason == "stop" else "complete"
+        reply = request.message
+        reply.status, reply.finish_reason, reply.stats, reply.fallbacks = (
+            status, message.reason, message.stats, message.fallbacks)
+        self.store.finish_message(reply.id, status, finish_reason=message.reason, stats=message.stats,
+                                  fallbacks=message.fallbacks)
+        request.stats.final = message.stats
+        await self._end_request(request)
+
+    async def on_reply_failed(self, message: ReplyFailed) -> None:
+        request = self._current(message.request_id)
+        if request is None:
+            return
+        reply = request.message
+        reply.status, reply.error = "error", message.error
+        self.store.finish_message(reply.id, "error", error=message.error)
+        self.notify(f"Generation failed: {message.error}\nThe conversation is kept; ctrl+r retries.",
+                    severity="error", timeout=15)
+        await self._end_request(request)
+
+    async def _end_request(self, request: Request) -> None:
+        self.request = None
+        self.last_stats = request.stats
+        if request.view is not None:
+            await request.view.finish()
+        self._show_stats()
+        self._update_status()
+
+    # display ---------------------------------------------------------------------------------------------
+    def _show_stats(self) -> None:
+        stats = self.request.stats if self.request else self.last_stats
+        self.query_one("#timing-pane", TimingPane).show(stats, self.depth)
+
+    def _update_status(self) -> None:
+        parts = []
+        if self.engine_state == "loading":
+            parts.append("loading model…")
+        elif self.engine_state == "failed":
+            parts.append("no model (f5 picks one)")
+        else:
+            parts.append(self.model_name or "")
+        parts.append(f"depth {self.depth}")
+        if self.request is not None:
+            tps = self.request.stats.tokens_per_s
+            parts.append("generating…" + (f" {tps:.0f} tok/s" if tps else "") + " (esc stops)")
+        elif self.engine_state == "ready":
+            parts.append("ready")
+        self.query_one("#status", Static).update(" · ".join(p for p in parts if p))
+
+    def _save_settings(self) -> None:
+        try:
+            save_settings(self.settings)
+        except OSError as exc:
+            self.notify(f"Could not save settings: {exc}", severity="error")
+
+    # actions ---------------------------------------------------------------------------------------------
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_stop(self) -> None:
+        if self.request is not None:
+            self.worker.submit(Stop())
+            self.notify("Stopping…", timeout=2)
+
+    def action_depth(self, depth: int) -> None:
+        depth = max(0, min(MAX_DEPTH, depth))
+        self.depth = depth
+        self.worker.submit(SetDepth(depth))  # applies to the running reply from its next cycle
+        if self.request is not None:
+            self.request.stats.depth = depth
+        self.settings.depth = depth
+        self._save_settings()
+        self._show_stats()
+        self._update_status()
+
+    def action_depth_step(self, step: int) -> None:
+        self.action_depth(self.depth + step)
+
+    async def action_toggle_highlight(self) -> None:
+        on = not self.settings.highlight
+        self.settings.highlight = on
+        self._save_settings()
+        self.query_one("#legend-draft").display = on
+        self.query_one("#legend-target").display = on
+        for view in self.query(MessageView):
+            await view.set_highlight(on)
+        self.notify("Acceptance highlights on" if on else "Acceptance highlights off", timeout=2)
+
+    def action_pane(self, tab: str) -> None:
+        side = self.query_one("#side", TabbedContent)
+        if side.display and side.active == tab:
+            side.display = False
+        else:
+            side.display = True
+            side.active = tab
+        self.settings.side_panel = bool(side.display)
+        self._save_settings()
+        self._show_stats()
+
+    def action_models(self) -> None:
+        def chosen(path: str | None) -> None:
+            if path is None:
+                return
+            if self.request is not None:
+                self.worker.submit(Stop())
+            self.settings.model = path
+            self._save_settings()
+            self.worker.submit(SwitchModel(path))
+
+        self.push_screen(ModelPickerScreen(self.model_path or self.model_name), chosen)
+
+    def action_settings(self) -> None:
+        def chosen(new: Settings | None) -> None:
+            if new is None:
+                return
+            depth_changed = new.depth != self.settings.depth
+            self.settings = new
+            if depth_changed:
+                self.action_depth(new.depth)
+            self._save_settings()
+            if new.system_prompt != self.conversation.system_prompt:
+                self.conversation.system_prompt = new.system_prompt
+                self.store.set_system_prompt(self.conversation.id, new.system_prompt)
+            self.notify("Settings saved", timeout=2)
+
+        self.push_screen(SettingsScreen(self.settings, self.conversation.system_prompt), chosen)
+
+    def action_export(self) -> None:
+        conv_id = self.conversation.id
+
+        def do_export(directory: Path, formats: list[str]) -> list[Path]:
+            return export_conversation(self.store, conv_id, directory, formats)
+
+        def done(written: list[Path] | None) -> None:
+            if written:
+                names = "\n".join(str(p) for p in written)
+                self.notify(f"Exported:\n{names}", timeout=8)
+
+        self.push_screen(ExportScreen(paths.exports_dir(), do_export), done)
+
+    async def action_new_chat(self) -> None:
+        if self.request is not None:
+            self.worker.submit(Stop())
+        if self.conversation is not None and not self.conversation.messages:
+            self.notify("This chat is already empty", timeout=2)
+            return
+        conv_id = self.store.create_conversation(self.settings.system_prompt, self.model_name)
+        self.open_conversation(conv_id)
+        self._show_stats()
+
+    def action_conversations(self) -> None:
+        def chosen(conv_id: int | None) -> None:
+            if conv_id is None or conv_id == self.conversation.id:
+                return
+            if self.request is not None:
+                self.worker.submit(Stop())
+            self.open_conversation(conv_id)
+
+        self.push_screen(
+            ConversationsScreen(self.store.list_conversations, self.store.delete_conversation,
+                                self.conversation.id),
+            chosen,
+        )
+
+    async def action_retry(self) -> None:
+        if self.request is not None:
+            self.notify("Still generating — esc stops it", severity="warning")
+            return
+        if self.engine_state == "failed":
+            self.notify("No model is loaded — pick one with f5", severity="error")
+            return
+        messages = self.conversation.messages
+        if not messages:
+            return
+        if messages[-1].role == "assistant":
+            last = messages.pop()
+            self.store.delete_message(last.id)
+            views = self.query(MessageView)
+            if views and views.last().message.id == last.id:
+                await views.last().remove()
+        if messages and messages[-1].role == "user":
+            await self.generate()
+
+    def action_copy_last(self) -> None:
+        for message in reversed(self.conversation.messages):
+            if message.role == "assistant" and message.content:
+                self.copy_to_clipboard(message.content)
+                self.notify(f"Copied the last reply ({len(message.content)} characters)", timeout=3)
+                return
+        self.notify("No reply to copy yet", severity="warning")
+
+    # command palette -------------------------------------------------------------------------------------
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for depth in range(MAX_DEPTH + 1):
+            label = "plain decoding" if depth == 0 else f"{depth} MTP draft token{'s' * (depth > 1)} per cycle"
+            yield SystemCommand(f"Depth {depth}", f"Speculation depth {depth}: {label}",
+                                lambda d=depth: self.action_depth(d))
+        yield SystemCommand("Toggle acceptance highlights", "Mark tokens that came from accepted MTP drafts",
+                            self.action_toggle_highlight)
+        yield SystemCommand("Timing pane", "Per-phase times, tokens/s, acceptance",
+                            lambda: self.action_pane("timing"))
+        yield SystemCommand("Diagnostics pane", "Device, dtype, backends, fallbacks",
+                            lambda: self.action_pane("diagnostics"))
+        yield SystemCommand("Models", "Pick and load another model", self.action_models)
+        yield SystemCommand("Settings", "System prompt, sampling, max tokens", self.action_settings)
+        yield SystemCommand("Export", "Transcript (Markdown, JSON) and timing log (CSV, JSONL)",
+                            self.action_export)
+        yield SystemCommand("New chat", "Start a new conversation", self.action_new_chat)
+        yield SystemCommand("Open conversation", "Reopen a past conversation", self.action_conversations)
+        yield SystemCommand("Retry", "Generate the last reply again", self.action_retry)
+        yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard", self.action_copy_last)
+        yield SystemCommand("Stop", "Stop generating", self.action_stop)
+        yield SystemCommand("Help", "Keys and what they do", self.action_help)
+
+
+def run_tui(model: str | None = None, depth: int | None = None, device: str | None = None,
+            dtype: str | None = None) -> int:
+    """Run the TUI until the user quits; returns the exit status."""
+    app = MtpChatApp(model=model, depth=depth, device=device, dtype=dtype)
+    app.run()
+    return app.return_code or 0

@@ -1,0 +1,279 @@
+"""The engine's public face: load a model, then stream events for a prompt or a conversation."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .checkpoint import read_json
+from .drafters import MTPDrafter
+from .errors import EngineError
+from .events import Fallback, Finished, Started, Tokens
+from .model import Loaded, load
+from .sampling import SamplingParams
+from .speculative import Request, cycle, pick, prefill
+from .timing import PhaseTimer
+
+EMBEDDED = Path(__file__).parent / "assets" / "demo"
+
+
+@dataclass
+class GenerationSettings:
+    max_new_tokens: int = 512
+    depth: int = 2
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    prefill_chunk: int = 512
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise EngineError(f"--max-new-tokens {self.max_new_tokens}: must be at least 1")
+        if not 0 <= self.depth <= 16:
+            raise EngineError(f"--depth {self.depth}: must be between 0 and 16")
+        if self.temperature < 0:
+            raise EngineError(f"--temperature {self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise EngineError(f"--top-p {self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise EngineError(f"--top-k {self.top_k}: must be >= 0")
+        if self.prefill_chunk < 1:
+            raise EngineError("prefill_chunk must be at least 1")
+
+
+class DecodeControl:
+    """Shared with another thread: depth is read at every cycle; stop() ends the request after the cycle."""
+
+    def __init__(self, depth: int | None = None):
+        self.depth = depth
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    path: str
+    family: str
+    model_type: str
+    mtp_layers: int
+    params: int
+    device: str
+    dtype: str
+
+
+class IncrementalDecoder:
+    """Decodes a growing token list into text deltas without re-decoding everything (HF streamer offsets)."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+
+    def push(self, ids: list[int]) -> str:
+        if self.tok is None:  # random-weight benchmarks have no tokenizer
+            return ""
+        self.ids.extend(ids)
+        prev = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        new = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        if new.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+            return ""
+        delta = new[len(prev) :]
+        self.prefix, self.read = self.read, len(self.ids)
+        return delta
+
+
+class Engine:
+    def __init__(self, loaded: Loaded, tokenizer=None, stop_ids: set[int] = frozenset()):
+        self.loaded, self.tokenizer, self.stop_ids = loaded, tokenizer, frozenset(stop_ids)
+        self.trunk = loaded.trunk
+        self.caches = self.trunk.new_caches()
+        self.mtp_drafter = MTPDrafter(loaded.mtp) if loaded.mtp is not None else None
+        t = self.trunk
+        self.info = ModelInfo(loaded.name, loaded.path, t.family.name, loaded.raw_config.get("model_type", ""),
+                              loaded.mtp_layers, loaded.params, str(t.device), str(t.dtype).replace("torch.", ""))
+
+    # -- prompts ------------------------------------------------------------------------------------------------
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:
+            raise EngineError(f"chat template failed: {str(e)[:200]}") from None
+        if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def encode_raw(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def chat(self, messages, settings: GenerationSettings, control: DecodeControl | None = None):
+        return self.generate(self.encode_chat(messages), settings, control)
+
+    # -- decoding -----------------------------------------------------------------------------------------------
+
+    def fallbacks(self, settings: GenerationSettings, drafter) -> list[Fallback]:
+        out = [f for f in self.loaded.fallbacks if f.feature != "speculation"]
+        if settings.depth > 0 or drafter is not None:
+            if drafter is None and self.mtp_drafter is None:
+                out += [f for f in self.loaded.fallbacks if f.feature == "speculation"]
+            elif settings.temperature > 0:
+                out.append(Fallback("speculation", "sampling (temperature > 0) is not supported by the speculative "
+                                                   "path yet: plain decoding"))
+        return out
+
+    def generate(self, prompt_ids: list[int], settings: GenerationSettings, control: DecodeControl | None = None,
+                 drafter=None) -> Iterator:
+        """Yield Started, then Tokens / Cycle per cycle, then Finished. The engine stays usable after an exception."""
+        settings.validate()
+        if not prompt_ids:
+            raise EngineError("empty prompt")
+        vocab = self.trunk.config.vocab_size
+        if max(prompt_ids) >= vocab or min(prompt_ids) < 0:
+            raise EngineError(f"prompt token id out of range for vocabulary of {vocab}")
+        control = control or DecodeControl(settings.depth)
+        fallbacks = self.fallbacks(settings, drafter)
+        speculative_ok = not any(f.feature == "speculation" for f in fallbacks)
+        drafter = (drafter or self.mtp_drafter) if speculative_ok else None
+        timer = PhaseTimer(self.trunk.device)
+        dev = self.trunk.device
+        gen = None
+        if settings.seed is not None:
+            gen = torch.Generator(device=dev).manual_seed(settings.seed)
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
+        req = Request(seq=torch.empty(len(prompt_ids) + settings.max_new_tokens + 8, dtype=torch.long, device=dev),
+                      length=0, prompt_len=len(prompt_ids), max_new=settings.max_new_tokens,
+                      stop_ids=frozenset() if settings.ignore_eos else self.stop_ids,
+                      sampling=SamplingParams(settings.temperature, settings.top_k, settings.top_p), generator=gen)
+        req.append(ids)
+        yield Started(len(prompt_ids), 0, fallbacks)
+
+        t0 = time.perf_counter()
+        detok = IncrementalDecoder(self.tokenizer)
+        cycles, ttft = [], None
+        with torch.inference_mode():
+            self.caches.reset()
+            if drafter is not None:
+                drafter.reset()
+            try:
+                logits = prefill(self.trunk, self.caches, drafter, ids, settings.prefill_chunk, timer)
+                with timer.phase("sampling"):
+                    first = pick(logits, req)
+                req.append(first)
+                first_id = int(first[0])
+            except BaseException:
+                self.caches.reset()
+                raise
+            req.generated.append(first_id)
+            if first_id in req.stop_ids:
+                req.finish = "eos"
+            elif len(req.generated) >= req.max_new:
+                req.finish = "length"
+            timer.collect()
+            ttft = (time.perf_counter() - t0) * 1e3
+            with timer.phase("detokenize"):
+                text = detok.push([first_id])
+            yield Tokens([first_id], ["target"], text)
+            while req.finish is None:
+                if control.stopped:
+                    req.finish = "stop"
+                    break
+                depth = settings.depth if control.depth is None else control.depth
+                out, sources, stats = cycle(self.trunk, self.caches, drafter, req, max(0, int(depth)), timer)
+                with timer.phase("detokenize"):
+                    text = detok.push(out)
+                cycles.append(stats)
+                yield stats
+                yield Tokens(out, sources, text)
+        timer.collect(block=True)
+        elapsed = time.perf_counter() - t0
+        decode_s = max(elapsed - ttft / 1e3, 1e-9)
+        stats = {
+            "depth": settings.depth if control.depth is None else control.depth,
+            "drafter": getattr(drafter, "name", None),
+            "prompt_tokens": len(prompt_ids),
+            "generated_tokens": len(req.generated),
+            "cycles": req.cycles,
+            "drafted": req.drafted,
+            "accepted": req.accepted,
+            "acceptance_rate": req.accepted / req.drafted if req.drafted else 0.0,
+            "mean_accepted_length": (len(req.generated) - 1) / req.cycles if req.cycles else 0.0,
+            "per_position_acceptance": [a / d if d else 0.0 for d, a in req.per_position],
+            "tokens_per_s": (len(req.generated) - 1) / decode_s if len(req.generated) > 1 else 0.0,
+            "ttft_ms": ttft,
+            "total_s": elapsed,
+            "phase_ms": dict(timer.totals),
+        }
+        self.last_token_ids = list(req.generated)
+        yield Finished(req.finish, stats, fallbacks)
+
+    # -- reporting ----------------------------------------------------------------------------------------------
+
+    def diagnostics(self) -> dict:
+        from .diagnostics import snapshot
+
+        return snapshot(self)
+
+    def close(self) -> None:
+        self.caches = None
+        self.mtp_drafter = None
+
+
+def stop_ids_for(root: Path, tokenizer, raw_config: dict) -> set[int]:
+    ids: set[int] = set()
+    gen = root / "generation_config.json"
+    if gen.exists():
+        eos = read_json(gen, "generation_config.json").get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        eos = raw_config.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    return ids
+
+
+def load_tokenizer(root: Path):
+    from transformers import AutoTokenizer
+
+    if not (root / "tokenizer.json").exists() and not (root / "tokenizer_config.json").exists():
+        raise EngineError(f"{root}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    try:
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True, trust_remote_code=False)
+    except Exception as e:
+        raise EngineError(f"{root}: tokenizer does not load ({str(e)[:200]})") from None
+
+
+def load_engine(path: str | None = None, device: str | None = None, dtype: str | None = None) -> Engine:
+    if path is None:
+        path = default_model_path()
+    loaded = load(path, device, dtype)
+    root = Path(loaded.path)
+    tok = load_tokenizer(root)
+    return Engine(loaded, tok, stop_ids_for(root, tok, loaded.raw_config))
+
+
+def default_model_path() -> str:
+    try:
+        from .discovery import choose, discover
+        from .environment import probe_device
+
+        choice = choose(discover(), probe_device(None))
+        if choice.candidate is not None:
+            return choice.candidate.path
+    except ImportError:
+        pass
+    if EMBEDDED.exists():
+        return str(EMBEDDED)
+    raise EngineError("no model found: pass --model PATH (a Hugging Face model folder)")

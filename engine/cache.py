@@ -1,0 +1,69 @@
+"""The engine's caches and the speculative transaction over them.
+
+Attention KV is preallocated and grows in whole chunks; trimming is setting a length. GDN state (the short-conv
+window and the recurrent state) cannot be trimmed, so a verify pass never writes it: it stashes the exact kernel
+inputs, and commit(m) replays the accepted prefix from the untouched pre-verify state (see gdn.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+RESERVE_CHUNK = 256  # KV grows in whole chunks so a verify pass never reallocates mid-cycle
+
+
+class KVCache:
+    """Keys and values of every full-attention layer: [layers, kv_heads, capacity, head_dim], batch 1."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, chunk: int = RESERVE_CHUNK):
+        self.shape = (layers, kv_heads, 0, head_dim)
+        self.dtype, self.device, self.chunk = dtype, device, chunk
+        self.k = torch.empty(self.shape, dtype=dtype, device=device)
+        self.v = torch.empty(self.shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def reserve(self, n: int) -> None:
+        """Make room for n more positions, rounding capacity up to a whole chunk (>= the verify width)."""
+        need = self.length + n
+        if need <= self.capacity:
+            return
+        cap = -(-need // self.chunk) * self.chunk
+        L, H, _, D = self.shape
+        k = torch.empty((L, H, cap, D), dtype=self.dtype, device=self.device)
+        v = torch.empty_like(k)
+        k[:, :, : self.length] = self.k[:, :, : self.length]
+        v[:, :, : self.length] = self.v[:, :, : self.length]
+        self.k, self.v = k, v
+
+    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [1, H, T, D] at positions pos..pos+T-1; return views of everything up to them."""
+        T = k.shape[2]
+        self.k[layer, :, pos : pos + T] = k[0]
+        self.v[layer, :, pos : pos + T] = v[0]
+        return self.k[layer, :, : pos + T].unsqueeze(0), self.v[layer, :, : pos + T].unsqueeze(0)
+
+    def trim(self, length: int) -> None:
+        self.length = length
+
+
+class GDNState:
+    """Committed conv windows [L, C, K-1] and recurrent states [L, Hv, Dk, Dv] (float32) of all GDN layers."""
+
+    def __init__(self, layers: int, conv_dim: int, kernel: int, hv: int, dk: int, dv: int, dtype, device):
+        self.conv = torch.zeros(layers, conv_dim, kernel - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(layers, hv, dk, dv, dtype=torch.float32, device=device)
+
+    def reset(self) -> None:
+        self.conv.zero_()
+        self.recurrent.zero_()
+
+    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv.clone(), self.recurrent.clone()
+
+    def restore(self, snap) -> None:
+        self.conv.copy_(snap[0])
+        self.recurrent.copy_(snap[1])

@@ -1,0 +1,49 @@
+"""One snapshot of what runs and why: device, dtype, backend per op, versions, fallbacks."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+import torch
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "flash-linear-attention": _version("flash-linear-attention"),
+        "triton": _version("triton"),
+        "cuda": torch.version.cuda,
+    }
+
+
+def snapshot(engine) -> dict:
+    t = engine.trunk
+    dev = {"type": t.device.type}
+    if t.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(t.device)
+        dev.update(name=torch.cuda.get_device_name(t.device), memory_total=total, memory_free=free,
+                   memory_allocated=torch.cuda.memory_allocated(t.device))
+    else:
+        dev.update(name=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    return {
+        "model": {"name": engine.info.name, "path": engine.info.path, "family": engine.info.family,
+                  "model_type": engine.info.model_type, "params": engine.info.params,
+                  "mtp_layers": engine.info.mtp_layers,
+                  "layers": {"gdn": t.kinds.count("linear_attention"), "attention": t.kinds.count("full_attention")}},
+        "device": dev,
+        "dtype": engine.info.dtype,
+        "backends": {op: {"backend": b, "reason": why} for op, (b, why) in t.backends.choice.items()},
+        "versions": versions(),
+        "compile": {"mode": "eager", "cuda_graphs": "not captured (eager decode)"},
+        "fallbacks": [{"feature": f.feature, "reason": f.reason} for f in engine.loaded.fallbacks],
+    }

@@ -1,0 +1,610 @@
+"""Finding candidate models, sizing them against the device, and picking one.
+
+Sources, in listing order: folders passed by the caller, folders in ``$MTPCHAT_MODELS`` (os.pathsep-separated;
+each a model folder or a folder of model folders, two levels deep), the Hugging Face cache (``HF_HUB_CACHE``,
+else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``), and the embedded demo model in ``engine/assets/demo``.
+
+Everything here reads config.json, the safetensors index and the safetensors *headers* (8-byte length + JSON)
+only: never tensor data, never pickle, never the network. A candidate that cannot be used is still listed, with
+``supported=False`` and the reason, so `mtpchat models` can say why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from .environment import DeviceInfo, cuda_unavailable_reason, fla_status, format_bytes, probe_device, run_dtype
+from .families import SUPPORTED, mtp_layers_declared
+
+log = logging.getLogger(__name__)
+
+MODELS_ENV = "MTPCHAT_MODELS"
+EMBEDDED_DIR = Path(__file__).resolve().parent / "assets" / "demo"
+EMBEDDED_NAME = "mtpchat-demo"
+INDEX_FILE = "model.safetensors.index.json"
+
+SUPPORTED_MODEL_TYPES = tuple(SUPPORTED)  # qwen3_next, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text
+# Quantized checkpoints (FP8, GPTQ, AWQ, ...) need dequantizing kernels the engine does not have yet.
+SUPPORTED_QUANT_METHODS: frozenset[str] = frozenset()
+
+# Memory beyond the weights: activations, KV / GDN caches, the CUDA context and allocator slack.
+MARGIN_FRACTION = 0.10
+MARGIN_BYTES = {"cuda": 768 << 20, "cpu": 256 << 20}
+
+_MAX_HEADER = 100 << 20  # a safetensors header over 100 MiB is corrupt, not large
+_SAFETENSORS_DTYPES = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "F8_E8M0": ("float8_e8m0fnu", 1),
+    "F4": ("float4_e2m1fn_x2", 1), "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2),
+    "I8": ("int8", 1), "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+}
+_DTYPE_BYTES = {name: size for name, size in _SAFETENSORS_DTYPES.values()}
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def supported_types_text() -> str:
+    return ", ".join(SUPPORTED_MODEL_TYPES)
+
+
+@dataclass
+class Candidate:
+    name: str
+    path: str
+    family: str | None  # qwen3_next | qwen3_5 | qwen3_5_moe; the raw model_type when unsupported
+    model_type: str | None
+    params: int | None  # every tensor in the checkpoint (trunk, MTP head, vision tower when wrapped)
+    dtype: str | None  # dominant dtype on disk, torch spelling
+    quantization: str | None  # quant_method of config's quantization_config
+    mtp_layers: int  # usable MTP layers found in the tensors (0: plain decoding only)
+    mem_bytes: int | None  # estimated memory to run on the assessed device
+    fits_device: bool
+    supported: bool
+    reason: str  # why unsupported; "" when supported
+    source: str  # "embedded" | "hf-cache" | "folder"
+    run_dtype: str | None = None  # the dtype mem_bytes assumes
+    disk_bytes: int | None = None
+    has_tokenizer: bool = False
+    mtp_layers_declared: int | None = None  # what config.json says, if anything
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp_layers > 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Choice:
+    candidate: Candidate | None
+    reason: str
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    pinned_error: str | None = None  # set when a pinned model was asked for and cannot be used
+
+    def to_json(self) -> dict:
+        c = self.candidate
+        return {
+            "name": c.name if c else None,
+            "path": c.path if c else None,
+            "reason": self.reason,
+            "pinned_error": self.pinned_error,
+            "rejected": [{"name": n, "reason": r} for n, r in self.rejected],
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading one model folder
+
+
+class _Unusable(Exception):
+    """A problem that makes the checkpoint unusable; its message is the candidate's reason."""
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
+    """Tensor name -> (safetensors dtype, shape) from the file's header, and the file size. Reads 8 bytes plus the
+    JSON header; checks that the file holds all the tensor data the header promises (a truncated download)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        hint = " (a dangling link into the cache's blobs: incomplete download?)" if path.is_symlink() else ""
+        raise _Unusable(f"{path.name} is missing{hint}") from None
+    except OSError as e:
+        raise _Unusable(f"{path.name} cannot be read ({e.strerror})") from None
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _Unusable(f"{path.name} is truncated ({size} bytes; no safetensors header)")
+            n = int.from_bytes(head, "little")
+            if n > size - 8 or n > _MAX_HEADER:
+                raise _Unusable(f"{path.name}: corrupt or truncated safetensors header "
+                                f"(header length {n} bytes, file {size} bytes)")
+            raw = f.read(n)
+    except OSError as e:
+        raise _Unusable(f"{path.name} cannot be read ({e.strerror})") from None
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _Unusable(f"{path.name}: corrupt safetensors header ({_first_line(e)})") from None
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, stop) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            end = max(end, int(stop))
+        except (KeyError, TypeError, ValueError):
+            raise _Unusable(f"{path.name}: corrupt safetensors header entry for tensor {name!r}") from None
+        tensors[name] = (str(dtype), shape)
+    if 8 + n + end > size:
+        raise _Unusable(f"{path.name} is truncated: its header promises {8 + n + end} bytes, "
+                        f"the file has {size} (incomplete download?)")
+    return tensors, size
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+
+
+def _read_config(root: Path) -> dict:
+    path = root / "config.json"
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise _Unusable("no config.json (not a Hugging Face model folder)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _Unusable(f"config.json is not valid JSON ({_first_line(e)})") from None
+    except OSError as e:
+        raise _Unusable(f"config.json cannot be read ({e.strerror})") from None
+    if not isinstance(cfg, dict):
+        raise _Unusable("config.json is not a JSON object")
+    return cfg
+
+
+def _weight_files(root: Path) -> list[str]:
+    index = root / INDEX_FILE
+    if index.exists() or index.is_symlink():
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except FileNotFoundError:
+            raise _Unusable(f"{INDEX_FILE} is missing (dangling link: incomplete download?)") from None
+        except (ValueError, UnicodeDecodeError, AttributeError) as e:
+            raise _Unusable(f"{INDEX_FILE} is not valid JSON ({_first_line(e)})") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise _Unusable(f"{INDEX_FILE} has no weight_map")
+        return sorted(set(map(str, weight_map.values())))
+    files = sorted(p.name for p in root.glob("*.safetensors"))
+    if files:
+        return files
+    names = [p.name for p in root.iterdir() if p.is_file() or p.is_symlink()]
+    pickles = [n for n in names if n.endswith(_PICKLE_SUFFIXES)]
+    if pickles:
+        raise _Unusable(f"only pickle weights ({', '.join(sorted(pickles)[:3])}); mtpchat never loads pickle "
+                        f"files: use a safetensors release or convert it")
+    ggufs = [n for n in names if n.endswith(".gguf")]
+    if ggufs:
+        raise _Unusable("GGUF files only; mtpchat loads Hugging Face safetensors checkpoints")
+    raise _Unusable("no weights (*.safetensors) in the folder")
+
+
+def _quant_method(cfg: dict) -> str | None:
+    for c in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}):
+        q = c.get("quantization_config")
+        if isinstance(q, dict):
+            return str(q.get("quant_method") or q.get("quant_type") or "unknown")
+        if q:
+            return "unknown"
+    return None
+
+
+def _config_dtype(cfg: dict) -> str | None:
+    for c in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}):
+        d = c.get("dtype") or c.get("torch_dtype")
+        if isinstance(d, str):
+            return d
+    return None
+
+
+def inspect_model(path: str | os.PathLike, source: str = "folder", name: str | None = None,
+                  device: DeviceInfo | None = None) -> Candidate:
+    """Everything discovery knows about one model folder. Never raises for a bad checkpoint: the problem becomes
+    the candidate's `reason`."""
+    root = Path(path).expanduser()
+    if root.is_file() and (root.name == "config.json" or root.suffix == ".safetensors"):
+        root = root.parent
+    cand = Candidate(name=name or _default_name(root), path=str(root.absolute()), family=None, model_type=None,
+                     params=None, dtype=None, quantization=None, mtp_layers=0, mem_bytes=None,
+                     fits_device=False, supported=False, reason="", source=source)
+    problems: list[str] = []
+    if not root.is_dir():
+        cand.reason = "no such folder" if not root.exists() else "not a folder"
+        return cand
+    try:
+        cfg = _read_config(root)
+    except _Unusable as e:
+        cand.reason = str(e)
+        return cand
+
+    model_type = cfg.get("model_type")
+    cand.model_type = model_type if isinstance(model_type, str) else None
+    fam = SUPPORTED.get(model_type) if isinstance(model_type, str) else None
+    cand.family = fam.name if fam else cand.model_type
+    if fam is None:
+        shown = repr(model_type) if model_type is not None else "missing"
+        problems.append(f"unsupported model_type {shown} (supported: {supported_types_text()})")
+    cand.quantization = _quant_method(cfg)
+    cand.mtp_layers_declared = mtp_layers_declared(cfg)
+    cand.has_tokenizer = any((root / f).exists() for f in _TOKENIZER_FILES)
+    if not cand.has_tokenizer:
+        cand.notes.append("no tokenizer files: usable for benchmarks, not for chat")
+
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    disk = 0
+    try:
+        for fname in _weight_files(root):
+            t, size = read_safetensors_header(root / fname)
+            tensors.update(t)
+            disk += size
+    except _Unusable as e:
+        problems.append(str(e))
+        tensors = {}
+    if tensors:
+        cand.disk_bytes = disk
+        cand.params = sum(_numel(shape) for _, shape in tensors.values())
+        by_dtype: dict[str, int] = {}
+        for dt, shape in tensors.values():
+            by_dtype[dt] = by_dtype.get(dt, 0) + _numel(shape)
+        top = max(by_dtype, key=by_dtype.get)
+        cand.dtype = _SAFETENSORS_DTYPES.get(top, (top.lower(), 0))[0]
+        if cand.quantization is None and top.startswith("F8"):
+            cand.quantization = "fp8"
+        cand.mtp_layers = _count_mtp_layers(tensors, cand)
+    else:
+        cand.dtype = _config_dtype(cfg)
+
+    if cand.quantization and cand.quantization not in SUPPORTED_QUANT_METHODS:
+        problems.append(f"quantized checkpoint ({cand.quantization}) is not supported yet; use the bf16 release")
+    if cand.mtp_layers_declared and not cand.mtp_layers and tensors:
+        cand.notes.append(f"config declares {cand.mtp_layers_declared} MTP layer(s) but the checkpoint has no "
+                          f"usable mtp.* tensors: plain decoding")
+    cand.supported = not problems
+    cand.reason = problems[0] if problems else ""
+    return assess(cand, device) if device is not None else cand
+
+
+def _count_mtp_layers(tensors: dict, cand: Candidate) -> int:
+    layers = {int(m.group(1)) for k in tensors if (m := _MTP_LAYER.match(k))}
+    if not layers:
+        return 0
+    if "mtp.fc.weight" not in tensors:
+        cand.notes.append("mtp.layers.* present without mtp.fc.weight: MTP head incomplete, plain decoding")
+        return 0
+    return len(layers)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _default_name(root: Path) -> str:
+    parts = root.absolute().parts
+    # .../models--org--name/snapshots/<rev>: name it like the Hub does
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--"):].replace("--", "/")
+    return root.name or str(root)
+
+
+def estimate_memory(cand: Candidate, device: DeviceInfo) -> tuple[str | None, int | None]:
+    """(run dtype, bytes) to run `cand` on `device`: weights in the run dtype (quantized ones as stored) plus a
+    margin for activations, caches and the runtime."""
+    dtype = run_dtype(device, cand.dtype)
+    if cand.quantization and cand.disk_bytes:
+        weights = cand.disk_bytes
+    elif cand.params is not None:
+        weights = cand.params * _DTYPE_BYTES.get(dtype, 4)
+    else:
+        return dtype, None
+    margin = int(weights * MARGIN_FRACTION) + MARGIN_BYTES.get(device.kind, MARGIN_BYTES["cpu"])
+    return dtype, weights + margin
+
+
+def assess(cand: Candidate, device: DeviceInfo) -> Candidate:
+    """A copy of `cand` with run_dtype, mem_bytes and fits_device for `device`."""
+    dtype, mem = estimate_memory(cand, device)
+    fits = mem is not None and mem <= device.available_bytes
+    return replace(cand, run_dtype=dtype, mem_bytes=mem, fits_device=fits, notes=list(cand.notes))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sources
+
+
+def hf_cache_dir() -> Path:
+    """The Hub cache folder as huggingface_hub resolves it, read from the environment at call time."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+def _hf_snapshots(cache: Path) -> list[tuple[str, Path]]:
+    """(repo_id, snapshot folder) for each model repo in the cache: the revision `main` points to, else the most
+    recently modified one."""
+    if not cache.is_dir():
+        return []
+    try:
+        from huggingface_hub import scan_cache_dir
+    except ImportError:
+        return _hf_snapshots_by_hand(cache)
+    try:
+        info = scan_cache_dir(cache)
+    except Exception as e:  # CacheNotFound, permissions: no cache is not an error
+        log.debug("HF cache scan of %s failed: %s", cache, e)
+        return []
+    out = []
+    for repo in info.repos:
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        revs = sorted(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified), reverse=True)
+        out.append((repo.repo_id, Path(revs[0].snapshot_path)))
+    # scan_cache_dir drops a repo it finds corrupted (a dangling link after an interrupted download). List those
+    # too, so the user sees why they cannot be used.
+    scanned = {repo_id for repo_id, _ in out}
+    out += [(repo_id, snap) for repo_id, snap in _hf_snapshots_by_hand(cache) if repo_id not in scanned]
+    return sorted(out, key=lambda item: item[0].lower())
+
+
+def _hf_snapshots_by_hand(cache: Path) -> list[tuple[str, Path]]:
+    out = []
+    for repo_dir in sorted(cache.glob("models--*")):
+        snaps = repo_dir / "snapshots"
+        main = repo_dir / "refs" / "main"
+        snap = None
+        if main.is_file():
+            snap = snaps / main.read_text().strip()
+        if snap is None or not snap.is_dir():
+            revs = sorted((p for p in snaps.glob("*") if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+            snap = revs[0] if revs else None
+        if snap is not None:
+            out.append((repo_dir.name[len("models--"):].replace("--", "/"), snap))
+    return out
+
+
+def _model_dirs(root: Path, depth: int = 2) -> list[Path]:
+    """`root` when it is a model folder, else the model folders below it, up to `depth` levels."""
+    if (root / "config.json").exists():
+        return [root]
+    if depth == 0 or not root.is_dir():
+        return []
+    found = []
+    try:
+        children = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return []
+    for child in children:
+        found.extend(_model_dirs(child, depth - 1))
+    return found
+
+
+def env_model_paths() -> list[str]:
+    return [p for p in os.environ.get(MODELS_ENV, "").split(os.pathsep) if p.strip()]
+
+
+def discover(extra_paths=(), include_hf_cache: bool = True, include_embedded: bool = True, *,
+             device: DeviceInfo | None = None, include_env: bool = True) -> list[Candidate]:
+    """Every candidate checkpoint, sized against `device` (probed when not given). Unusable ones are included
+    with their reason. A caller-given path that holds no model folder is listed as unusable too."""
+    if device is None:
+        device = probe_device(None)
+    found: list[Candidate] = []
+    seen: set[str] = set()
+
+    def add(path: Path, source: str, name: str | None = None) -> None:
+        key = os.path.realpath(path)
+        if key in seen:
+            return
+        seen.add(key)
+        found.append(inspect_model(path, source=source, name=name, device=device))
+
+    for p in extra_paths:
+        root = Path(p).expanduser()
+        dirs = _model_dirs(root)
+        if dirs:
+            for d in dirs:
+                add(d, "folder")
+        else:  # explicit: say why nothing is there
+            cand = inspect_model(root, source="folder", device=device)
+            if root.is_dir():
+                cand.reason = "no config.json here or in the folders below it"
+            found.append(cand)
+    if include_env:
+        for p in env_model_paths():
+            root = Path(p).expanduser()
+            dirs = _model_dirs(root)
+            if not dirs:
+                log.info("%s entry %s holds no model folder", MODELS_ENV, root)
+            for d in dirs:
+                add(d, "folder")
+    if include_hf_cache:
+        for repo_id, snap in _hf_snapshots(hf_cache_dir()):
+            if (snap / "config.json").exists() or (snap / "config.json").is_symlink():
+                add(snap, "hf-cache", name=repo_id)
+    if include_embedded and (EMBEDDED_DIR / "config.json").exists():
+        add(EMBEDDED_DIR, "embedded", name=EMBEDDED_NAME)
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Choosing
+
+
+def _rank(c: Candidate) -> tuple:
+    # A real checkpoint beats the embedded demo; then an MTP head; then a tokenizer (chat needs one); then size.
+    return (c.source != "embedded", c.has_mtp, c.has_tokenizer, c.params or 0)
+
+
+def _match_pinned(pinned: str, candidates: list[Candidate]) -> Candidate | None:
+    want = pinned.strip()
+    tests = [
+        lambda c: c.name == want,
+        lambda c: c.name.lower() == want.lower(),
+        lambda c: os.path.realpath(os.path.expanduser(want)) == os.path.realpath(c.path),
+        lambda c: c.name.rsplit("/", 1)[-1].lower() == want.rsplit("/", 1)[-1].lower(),
+    ]
+    for test in tests:
+        for c in candidates:
+            if test(c):
+                return c
+    return None
+
+
+def _size_text(c: Candidate, device: DeviceInfo) -> str:
+    return f"needs {format_bytes(c.mem_bytes)} of {format_bytes(device.available_bytes)} available on " \
+           f"{device.torch_device}"
+
+
+def _why_not(c: Candidate, device: DeviceInfo) -> str:
+    if not c.supported:
+        return c.reason
+    if c.mem_bytes is None:
+        return "size unknown"
+    return f"does not fit: {_size_text(c, device)}"
+
+
+def choose(candidates: list[Candidate], device: DeviceInfo, pinned: str | None = None) -> Choice:
+    """The best supported model that fits `device`: a real checkpoint over the embedded demo, MTP-capable over
+    plain, then the larger. A pinned model (name or path) wins when it is supported, even if it may not fit;
+    otherwise the automatic pick is made and `pinned_error` says why the pin was not honoured."""
+    cands = [assess(c, device) for c in candidates]
+    pinned_error = None
+    if pinned:
+        hit = _match_pinned(pinned, cands)
+        if hit is None and Path(pinned).expanduser().exists():
+            hit = inspect_model(pinned, source="folder", device=device)
+            cands.append(hit)
+        if hit is None:
+            names = ", ".join(c.name for c in cands) or "none"
+            pinned_error = f"pinned model {pinned!r} was not found (discovered: {names})"
+        elif not hit.supported:
+            pinned_error = f"pinned model {hit.name} cannot be used: {hit.reason}"
+        else:
+            reason = f"{hit.name}: pinned"
+            reason += f"; {_describe(hit)}"
+            if not hit.fits_device:
+                reason += f"; warning: may not fit ({_size_text(hit, device)})"
+            rejected = [(c.name, "a model is pinned") for c in cands if c is not hit]
+            return Choice(hit, reason, rejected)
+
+    usable = sorted((c for c in cands if c.supported and c.fits_device), key=_rank, reverse=True)
+    if not usable:
+        rejected = [(c.name, _why_not(c, device)) for c in cands]
+        if not cands:
+            reason = "no models were found (searched the given folders, $MTPCHAT_MODELS, the Hugging Face cache " \
+                     "and the embedded demo model)"
+        elif not any(c.supported for c in cands):
+            reason = f"none of the {len(cands)} discovered model(s) is supported (supported model types: " \
+                     f"{supported_types_text()})"
+        else:
+            smallest = min((c for c in cands if c.supported and c.mem_bytes), key=lambda c: c.mem_bytes,
+                           default=None)
+            reason = f"no supported model fits {device.describe()}"
+            if smallest is not None:
+                reason += f"; the smallest, {smallest.name}, needs {format_bytes(smallest.mem_bytes)}"
+        if pinned_error:
+            reason = f"{pinned_error}; {reason}"
+        return Choice(None, reason, rejected, pinned_error)
+
+    best = usable[0]
+    if best.source == "embedded":
+        why = "the embedded demo model (no other supported model fits)"
+    elif len(usable) == 1:
+        why = "the only supported model that fits"
+    elif best.has_mtp:
+        why = "the largest supported model with an MTP head that fits"
+    else:
+        why = "the largest supported model that fits (none with an MTP head fits)"
+    reason = f"{best.name}: {why}; {_describe(best)}; {_size_text(best, device)}"
+    if pinned_error:
+        reason = f"{pinned_error}; picked automatically: {reason}"
+    rejected = []
+    for c in cands:
+        if c is best:
+            continue
+        if c.supported and c.fits_device:
+            if c.source == "embedded" and best.source != "embedded":
+                r = "the embedded demo model is used only when nothing else fits"
+            elif best.has_mtp and not c.has_mtp:
+                r = "no MTP head"
+            elif best.has_tokenizer and not c.has_tokenizer:
+                r = "no tokenizer"
+            else:
+                r = f"smaller than {best.name}"
+            rejected.append((c.name, r))
+        else:
+            rejected.append((c.name, _why_not(c, device)))
+    return Choice(best, reason, rejected, pinned_error)
+
+
+def _describe(c: Candidate) -> str:
+    mtp = f"MTP head with {c.mtp_layers} layer(s)" if c.has_mtp else "no MTP head (plain decoding)"
+    return f"{c.family}, {format_params(c.params)} params, {mtp}"
+
+
+def format_params(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return str(n)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fallbacks
+
+
+def _cpu_reason() -> str:
+    why = cuda_unavailable_reason()
+    return f"no CUDA device ({why})" if why else "CPU selected although CUDA is available"
+
+
+def fallbacks_for(device: DeviceInfo, candidate: Candidate | None) -> list[dict]:
+    """Every fallback in force for running `candidate` on `device`, each {"feature", "reason"}."""
+    out = []
+    if device.kind != "cuda":
+        out.append({"feature": "cuda",
+                    "reason": f"{_cpu_reason()}: running on CPU in float32 with torch kernels"})
+    usable, why = fla_status(device)
+    if not usable:
+        out.append({"feature": "fla", "reason": f"{why}: torch reference kernels for the GDN ops"})
+    if candidate is not None:
+        if not candidate.supported:
+            out.append({"feature": "model", "reason": f"{candidate.name} cannot be used: {candidate.reason}"
+                        + ("" if "supported:" in candidate.reason else
+                           f" (supported model types: {supported_types_text()})")})
+        elif not candidate.has_mtp:
+            out.append({"feature": "speculation",
+                        "reason": f"no MTP head in {candidate.name}: plain decoding"})
+    return out

@@ -1,0 +1,93 @@
+"""What proposes tokens. One interface: reset / observe committed positions / propose k / rollback.
+
+The engine calls observe(hidden) with the trunk's post-norm hidden states of newly processed positions, and
+propose(seq, k) with the committed token sequence (the last token committed but not yet processed).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+class MTPDrafter:
+    """The checkpoint's own MTP head. Its cache only ever holds verified positions: every proposal first runs
+    the head over positions it has not seen (priming after a prefill, refresh after a verify), with the trunk's
+    hiddens and the shifted tokens, then chains k - 1 speculative steps that are dropped before the next cycle."""
+
+    name = "mtp"
+
+    def __init__(self, head):
+        self.head = head
+        self.cache = head.new_cache()
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache.trim(0)
+        self.covered = 0  # positions in the MTP cache (all verified)
+        self.pending: list[torch.Tensor] = []  # trunk hiddens [1, n, H] of positions covered.. not yet run
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        self.pending.append(hidden)
+
+    def rollback(self) -> None:
+        """Forget speculative entries; keep what was verified (pending hiddens stay valid)."""
+        self.cache.trim(self.covered)
+
+    def catch_up(self, seq_tokens: torch.Tensor):
+        """Run the head over pending positions. seq_tokens[p] is the committed token at position p."""
+        hidden = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
+        n, C = hidden.shape[1], self.covered
+        self.cache.reserve(n)
+        logits, out = self.head(hidden, seq_tokens[C + 1 : C + 1 + n].unsqueeze(0), C, self.cache)
+        self.covered += n
+        self.cache.trim(self.covered)
+        self.pending = []
+        return logits[:, -1], out[:, -1:]
+
+    def propose(self, seq_tokens: torch.Tensor, k: int, timer) -> torch.Tensor:
+        """k greedy drafts [k] on the device. Speculative cache entries stay until rollback()."""
+        with timer.phase("priming" if self.covered == 0 else "refresh"):
+            logits, h = self.catch_up(seq_tokens)
+        with timer.phase("draft"):
+            drafts = [logits.argmax(-1)]
+            pos = self.covered  # speculative positions start right after the verified ones
+            self.cache.reserve(k)
+            for j in range(1, k):
+                logits, h = self.head(h, drafts[-1].view(1, 1), pos + j - 1, self.cache)
+                drafts.append(logits[:, -1].argmax(-1))
+            return torch.cat(drafts)
+
+
+class OracleDrafter:
+    """Replays known tokens (e.g. a plain run's output) with a chosen corruption rate: drafting at a controlled
+    acceptance for tests and benchmarks, independent of model quality."""
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int], prompt_len: int, corruption: float = 0.0, vocab: int = 2, seed: int = 0):
+        self.reference, self.prompt_len = list(reference), prompt_len
+        self.corruption, self.vocab = corruption, vocab
+        self.rng = random.Random(seed)
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+    def propose(self, seq_tokens: torch.Tensor, k: int, timer) -> torch.Tensor:
+        with timer.phase("draft"):
+            start = seq_tokens.shape[0] - self.prompt_len  # generated tokens so far
+            out = []
+            for i in range(k):
+                j = start + i
+                tok = self.reference[j] if j < len(self.reference) else 0
+                if self.rng.random() < self.corruption:
+                    tok = (tok + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                out.append(tok)
+            return torch.tensor(out, dtype=torch.long, device=seq_tokens.device)

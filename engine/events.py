@@ -1,0 +1,48 @@
+"""What the decode loop yields. Plain dataclasses: the app turns them into Textual messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DRAFT = "draft"  # an accepted draft token
+TARGET = "target"  # produced by the target model: first token, bonus, correction, or plain decoding
+
+
+@dataclass(frozen=True)
+class Fallback:
+    feature: str  # e.g. "speculation", "fla", "cuda"
+    reason: str
+
+
+@dataclass
+class Started:
+    prompt_tokens: int
+    reused_tokens: int = 0  # prompt tokens whose state was reused from the previous turn
+    fallbacks: list[Fallback] = field(default_factory=list)
+
+
+@dataclass
+class Tokens:
+    """Tokens committed by one cycle, in order. `text` is the newly decodable text."""
+
+    token_ids: list[int]
+    sources: list[str]
+    text: str
+
+
+@dataclass
+class Cycle:
+    index: int
+    depth: int
+    drafted: int
+    accepted: int
+    accepted_per_position: list[bool]  # one flag per drafted position
+    phase_ms: dict[str, float]  # this cycle's phases
+    committed: int  # tokens committed this cycle (accepted + 1)
+
+
+@dataclass
+class Finished:
+    reason: str  # "eos" | "length" | "stop"
+    stats: dict
+    fallbacks: list[Fallback] = field(default_factory=list)

@@ -1,0 +1,158 @@
+"""One small adapter per model family: which transformers classes define it, where its tensors live.
+
+The engine never uses the families' forward passes; it borrows their modules (projections, norms, MLP / MoE
+blocks) and runs its own loop over them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .errors import EngineError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # "qwen3_next" | "qwen3_5" | "qwen3_5_moe"
+    wrapped: bool  # vision-language release: trunk under model.language_model.*, vision under model.visual.*
+
+    def text_config(self, raw: dict):
+        """The transformers config object of the text trunk."""
+        import transformers as tf
+
+        if self.name == "qwen3_next":
+            cfg = dict(raw)
+            return tf.Qwen3NextConfig(**_drop_meta(cfg))
+        text = dict(raw.get("text_config", raw)) if self.wrapped else dict(raw)
+        text.pop("model_type", None)
+        # Qwen3.5 keeps tie_word_embeddings at the top level of wrapped configs.
+        if self.wrapped and "tie_word_embeddings" in raw:
+            text.setdefault("tie_word_embeddings", raw["tie_word_embeddings"])
+        cls = tf.Qwen3_5TextConfig if self.name == "qwen3_5" else tf.Qwen3_5MoeTextConfig
+        return cls(**_drop_meta(text))
+
+    def causal_lm_class(self):
+        import transformers as tf
+
+        return {
+            "qwen3_next": tf.Qwen3NextForCausalLM,
+            "qwen3_5": tf.Qwen3_5ForCausalLM,
+            "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM,
+        }[self.name]
+
+    def decoder_layer_class(self):
+        import importlib
+
+        mod = importlib.import_module(f"transformers.models.{self.name}.modeling_{self.name}")
+        prefix = {"qwen3_next": "Qwen3Next", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[self.name]
+        return getattr(mod, f"{prefix}DecoderLayer"), getattr(mod, f"{prefix}RMSNorm")
+
+    def trunk_key(self, key: str) -> str | None:
+        """Checkpoint key -> key in the text CausalLM's state dict; None for tensors the text model ignores."""
+        if key.startswith("mtp."):
+            return None
+        if self.wrapped:
+            if key.startswith("model.visual.") or key.startswith("visual."):
+                return None
+            if key.startswith("model.language_model."):
+                return "model." + key[len("model.language_model."):]
+        return key
+
+
+SUPPORTED = {
+    "qwen3_next": Family("qwen3_next", wrapped=False),
+    "qwen3_5": Family("qwen3_5", wrapped=True),
+    "qwen3_5_text": Family("qwen3_5", wrapped=False),
+    "qwen3_5_moe": Family("qwen3_5_moe", wrapped=True),
+    "qwen3_5_moe_text": Family("qwen3_5_moe", wrapped=False),
+}
+
+
+def family_for(raw_config: dict, where: str) -> Family:
+    model_type = raw_config.get("model_type")
+    if model_type not in SUPPORTED:
+        raise EngineError(
+            f"{where}: unsupported model_type {model_type!r}; supported: {', '.join(sorted(SUPPORTED))}"
+        )
+    return SUPPORTED[model_type]
+
+
+def mtp_layers_declared(raw: dict) -> int | None:
+    for cfg in (raw, raw.get("text_config") or {}):
+        for field in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+            if isinstance(cfg.get(field), int):
+                return cfg[field]
+    return None
+
+
+def _drop_meta(cfg: dict) -> dict:
+    for k in ("architectures", "transformers_version", "auto_map", "model_type"):
+        cfg.pop(k, None)
+    return cfg
+
+
+# --- tensor layout conversions -------------------------------------------------------------------------------
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoints (experts.N.{gate,up,down}_proj) -> transformers' fused 3-D parameters."""
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for k, v in tensors.items():
+        m = _EXPERT.match(k)
+        if m:
+            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = v
+        else:
+            out[k] = v
+    for prefix, experts in groups.items():
+        n = max(experts) + 1
+        missing = [i for i in range(n) if set(experts.get(i, {})) != {"gate_proj", "up_proj", "down_proj"}]
+        if missing:
+            raise EngineError(f"{prefix}: expert {missing[0]} is incomplete in the checkpoint")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[i]["gate_proj"], experts[i]["up_proj"]], 0) for i in range(n)]
+        )
+        out[f"{prefix}.down_proj"] = torch.stack([experts[i]["down_proj"] for i in range(n)])
+    return out
+
+
+def convert_gdn_layout(tensors: dict[str, torch.Tensor], module_keys: set[str], cfg) -> dict[str, torch.Tensor]:
+    """Qwen3-Next packs GDN projections per key head (`in_proj_qkvz` + `in_proj_ba`); Qwen3.5 keeps them apart
+    (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`). Convert whichever the checkpoint has into what the
+    module expects."""
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = nv // nk
+    out = dict(tensors)
+    for k in list(tensors):
+        if k.endswith("linear_attn.in_proj_qkvz.weight"):
+            base = k[: -len("in_proj_qkvz.weight")]
+            if base + "in_proj_qkv.weight" not in module_keys:
+                continue
+            w = out.pop(k)
+            hidden = w.shape[-1]
+            q, kk, v, z = torch.split(w.view(nk, 2 * dk + 2 * r * dv, hidden), [dk, dk, r * dv, r * dv], dim=1)
+            out[base + "in_proj_qkv.weight"] = torch.cat([x.reshape(-1, hidden) for x in (q, kk, v)])
+            out[base + "in_proj_z.weight"] = z.reshape(-1, hidden)
+            b, a = torch.split(out.pop(base + "in_proj_ba.weight").view(nk, 2 * r, hidden), [r, r], dim=1)
+            out[base + "in_proj_b.weight"] = b.reshape(-1, hidden)
+            out[base + "in_proj_a.weight"] = a.reshape(-1, hidden)
+        elif k.endswith("linear_attn.in_proj_qkv.weight"):
+            base = k[: -len("in_proj_qkv.weight")]
+            if base + "in_proj_qkvz.weight" not in module_keys:
+                continue
+            w = out.pop(k)
+            hidden = w.shape[-1]
+            q, kk, v = torch.split(w, [nk * dk, nk * dk, nv * dv])
+            z = out.pop(base + "in_proj_z.weight")
+            parts = [x.reshape(nk, -1, hidden) for x in (q, kk, v, z)]
+            out[base + "in_proj_qkvz.weight"] = torch.cat(parts, 1).reshape(-1, hidden)
+            b = out.pop(base + "in_proj_b.weight").reshape(nk, r, hidden)
+            a = out.pop(base + "in_proj_a.weight").reshape(nk, r, hidden)
+            out[base + "in_proj_ba.weight"] = torch.cat([b, a], 1).reshape(-1, hidden)
+    return out

@@ -1,0 +1,110 @@
+"""The Gated DeltaNet mixer at run time: prefill, verify with a stash, and the accepted-prefix replay.
+
+Prefill writes the committed state directly (chunked kernel). Verify (any width, depth 0 included) reads the
+committed state, writes nothing to it, and stashes the exact kernel inputs (q, k, v, g, beta after the short
+convolution) plus the conv-input window. commit(m) then rebuilds the state after m + 1 processed tokens by
+replaying the recurrence from the pre-verify state over the first m + 1 stashed rows — all GDN layers in one
+batched kernel call — and slices the conv window. Rows of a recurrence never depend on later rows, so the
+result is independent of the rejected tail, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .cache import GDNState
+
+
+class VerifyStash:
+    """Reusable storage for one verify pass over all GDN layers (no allocation per cycle)."""
+
+    def __init__(self, layers: int, width: int, dims: dict, dtype, device):
+        L, T = layers, width
+        self.key = (layers, width, dtype, device)
+        self.q = torch.empty(L, T, dims["nk"], dims["dk"], dtype=dtype, device=device)
+        self.k = torch.empty_like(self.q)
+        self.v = torch.empty(L, T, dims["nv"], dims["dv"], dtype=dtype, device=device)
+        self.g = torch.empty(L, T, dims["nv"], dtype=torch.float32, device=device)
+        self.beta = torch.empty(L, T, dims["nv"], dtype=dtype, device=device)
+        self.window = torch.empty(L, dims["conv"], dims["kernel"] - 1 + T, dtype=dtype, device=device)
+        self.final = torch.empty(L, dims["nv"], dims["dk"], dims["dv"], dtype=torch.float32, device=device)
+        self.width = 0  # tokens stashed by the current verify pass; 0 = nothing to commit
+
+    def fits(self, layers: int, width: int, dtype, device) -> bool:
+        """Buffers are dropped when the state dtype or device changes, or a wider verify is needed."""
+        L, T, dt, dev = self.key
+        return L == layers and width <= T and dt == dtype and dev == device
+
+
+def project(mixer, x: torch.Tensor):
+    """Input projections in either checkpoint layout -> conv input [1, C, T], z [1, T, Hv, Dv], b, a [1, T, Hv]."""
+    if hasattr(mixer, "in_proj_qkvz"):
+        q, k, v, z, b, a = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(x), mixer.in_proj_ba(x))
+        mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (q, k, v)], -1)
+    else:
+        mixed = mixer.in_proj_qkv(x)
+        z = mixer.in_proj_z(x).view(x.shape[0], x.shape[1], -1, mixer.head_v_dim)
+        b, a = mixer.in_proj_b(x), mixer.in_proj_a(x)
+    return mixed.transpose(1, 2), z, b, a
+
+
+def kernel_inputs(mixer, window: torch.Tensor, T: int, b, a):
+    """Short causal conv over [K-1 past inputs | T new inputs] -> q, k, v, g, beta for the recurrence."""
+    w = mixer.conv1d.weight  # [C, 1, K]
+    conv = F.silu(F.conv1d(window, w, mixer.conv1d.bias, groups=w.shape[0]))  # [1, C, T]
+    q, k, v = torch.split(conv.transpose(1, 2), [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+    q = q.reshape(1, T, -1, mixer.head_k_dim)
+    k = k.reshape(1, T, -1, mixer.head_k_dim)
+    v = v.reshape(1, T, -1, mixer.head_v_dim)
+    beta = b.sigmoid()
+    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+    return q, k, v, g, beta
+
+
+def output(mixer, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    shape = z.shape
+    y = mixer.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))  # gated norm: plain w·x
+    return mixer.out_proj(y.reshape(shape[0], shape[1], -1))
+
+
+def prefill(mixer, x, slot: int, state: GDNState, backends) -> torch.Tensor:
+    T = x.shape[1]
+    mixed, z, b, a = project(mixer, x)
+    window = torch.cat([state.conv[slot : slot + 1], mixed.to(state.conv.dtype)], -1)
+    q, k, v, g, beta = kernel_inputs(mixer, window, T, b, a)
+    kernel = backends.gdn_chunk if T > 1 else backends.gdn_recurrent
+    core, final = kernel(q, k, v, g, beta, state.recurrent[slot : slot + 1])
+    state.conv[slot].copy_(window[0, :, T:])
+    state.recurrent[slot].copy_(final[0])
+    return output(mixer, core, z)
+
+
+def verify(mixer, x, slot: int, state: GDNState, backends, stash: VerifyStash) -> torch.Tensor:
+    T = x.shape[1]
+    mixed, z, b, a = project(mixer, x)
+    window = stash.window[slot, :, : state.conv.shape[-1] + T]
+    window[:, : state.conv.shape[-1]] = state.conv[slot]
+    window[:, state.conv.shape[-1] :] = mixed[0]
+    q, k, v, g, beta = kernel_inputs(mixer, window.unsqueeze(0), T, b, a)
+    for buf, t in ((stash.q, q), (stash.k, k), (stash.v, v), (stash.g, g), (stash.beta, beta)):
+        buf[slot, :T] = t[0]
+    core, final = backends.gdn_recurrent(q, k, v, g, beta, state.recurrent[slot : slot + 1])
+    stash.final[slot] = final[0]
+    return output(mixer, core, z)
+
+
+def commit(state: GDNState, stash: VerifyStash, m: int, backends) -> None:
+    """Keep the first m + 1 verified tokens. Nothing is replayed when the whole verify pass is kept."""
+    n, T, K1 = m + 1, stash.width, state.conv.shape[-1]
+    if n == T:
+        state.recurrent.copy_(stash.final)
+    else:
+        # All GDN layers share one shape, dtype and device (they live in one tensor): one grouped call,
+        # with the layers as the batch dimension.
+        _, s = backends.gdn_recurrent(
+            stash.q[:, :n], stash.k[:, :n], stash.v[:, :n], stash.g[:, :n], stash.beta[:, :n], state.recurrent
+        )
+        state.recurrent.copy_(s)
+    state.conv.copy_(stash.window[:, :, n : n + K1])
+    stash.width = 0

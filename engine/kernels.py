@@ -1,0 +1,137 @@
+"""Backend selection per op: FLA Triton kernels on CUDA when installed and sane, torch reference code elsewhere.
+
+Every GDN kernel here takes the *kernel inputs* the speculative transaction stashes: q, k [B, T, Hk, Dk],
+v [B, T, Hv, Dv], g, beta [B, T, Hv] (after the short convolution, before the in-kernel L2 norm), and a float32
+recurrent state [B, Hv, Dk, Dv]. They return (output [B, T, Hv, Dv], final state).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _expand_heads(q, k, hv):
+    if q.shape[2] != hv:  # grouped value heads: each key head serves hv // hk value heads
+        rep = hv // q.shape[2]
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    return q, k
+
+
+def torch_recurrent(q, k, v, g, beta, state):
+    """The gated delta rule one token at a time, in float32. Exact reference and the CPU kernel."""
+    out_dtype = v.dtype
+    q, k = _expand_heads(q, k, v.shape[2])
+    q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))  # [B, H, T, ...]
+    q = _l2norm(q) * q.shape[-1] ** -0.5
+    k = _l2norm(k)
+    s = state.float().clone()
+    out = torch.empty_like(v)
+    for t in range(q.shape[2]):
+        s = s * g[:, :, t].exp()[..., None, None]
+        kv_mem = (s * k[:, :, t, :, None]).sum(-2)
+        delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]
+        s = s + k[:, :, t, :, None] * delta[:, :, None, :]
+        out[:, :, t] = (s * q[:, :, t, :, None]).sum(-2)
+    return out.transpose(1, 2).to(out_dtype), s
+
+
+def torch_chunk(q, k, v, g, beta, state, chunk: int = 64):
+    """Chunked (WY) form for long prompts on CPU: the same math as the recurrence, O(T/chunk) sequential steps."""
+    out_dtype = v.dtype
+    B, T, _, Dk = q.shape
+    q, k = _expand_heads(q, k, v.shape[2])
+    q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))  # [B, H, T, ...]
+    q = _l2norm(q) * Dk**-0.5
+    k = _l2norm(k)
+    pad = (-T) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    H, n = q.shape[1], (T + pad) // chunk
+    q, k, v = (x.reshape(B, H, n, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(B, H, n, chunk), beta.reshape(B, H, n, chunk)
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    gc = g.cumsum(-1)
+    decay = (gc[..., :, None] - gc[..., None, :]).tril().exp().tril()
+    strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(0)
+    a = -(kb @ k.transpose(-1, -2) * decay).masked_fill(strict, 0)
+    for i in range(1, chunk):  # (I - A)^-1 by forward substitution
+        a[..., i, :i] = a[..., i, :i] + (a[..., i, :, None] * a[..., :, :i]).sum(-2)
+    a = a + torch.eye(chunk, device=q.device)
+    u = a @ vb
+    w = a @ (kb * gc[..., None].exp())
+    s = state.float().clone()
+    out = torch.empty_like(v)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    for i in range(n):
+        qi, ki, gi = q[:, :, i], k[:, :, i], gc[:, :, i]
+        attn = (qi @ ki.transpose(-1, -2) * decay[:, :, i]).masked_fill(causal, 0)
+        v_new = u[:, :, i] - w[:, :, i] @ s
+        out[:, :, i] = (qi * gi[..., None].exp()) @ s + attn @ v_new
+        s = s * gi[..., -1, None, None].exp() + (ki * (gi[..., -1, None] - gi).exp()[..., None]).transpose(-1, -2) @ v_new
+    out = out.reshape(B, H, n * chunk, -1)[:, :, :T]
+    return out.transpose(1, 2).to(out_dtype), s
+
+
+def fla_recurrent(q, k, v, g, beta, state):
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    q, k = _expand_heads(q, k, v.shape[2])
+    return fused_recurrent_gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+
+
+def fla_chunk(q, k, v, g, beta, state):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    q, k = _expand_heads(q, k, v.shape[2])
+    return chunk_gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+
+
+@dataclass
+class Backends:
+    """The kernel chosen for each op and why; diagnostics print it as is."""
+
+    gdn_chunk: object = torch_chunk
+    gdn_recurrent: object = torch_recurrent
+    choice: dict[str, tuple[str, str]] = field(default_factory=dict)  # op -> (backend, reason)
+
+
+def select_backends(device: torch.device) -> Backends:
+    b = Backends()
+    reason = _fla_unusable_reason(device)
+    if reason is None:
+        b.gdn_chunk, b.gdn_recurrent = fla_chunk, fla_recurrent
+        for op in ("gdn_chunk", "gdn_recurrent"):
+            b.choice[op] = ("fla", "flash-linear-attention Triton kernel on CUDA")
+    else:
+        b.choice["gdn_chunk"] = ("torch", f"chunked torch reference: {reason}")
+        b.choice["gdn_recurrent"] = ("torch", f"recurrent torch reference: {reason}")
+    b.choice["conv1d"] = ("torch", "depthwise F.conv1d over the conv-input window (stashed for rollback)")
+    b.choice["gated_rmsnorm"] = ("torch", "module's own gated RMSNorm")
+    b.choice["attention"] = ("torch-sdpa", "torch scaled_dot_product_attention (dispatches flash / efficient / math)")
+    b.choice["moe"] = ("transformers", "the family's sparse MoE block")
+    return b
+
+
+def _fla_unusable_reason(device: torch.device) -> str | None:
+    if os.environ.get("MTPCHAT_DISABLE_FLA") == "1":
+        return "FLA disabled by MTPCHAT_DISABLE_FLA=1"
+    if device.type != "cuda":
+        return f"device is {device.type}; FLA kernels need CUDA"
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except Exception as e:  # ImportError, or Triton failing to initialise
+        return f"flash-linear-attention not importable ({type(e).__name__}: {str(e)[:120]})"
+    return None

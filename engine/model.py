@@ -1,0 +1,264 @@
+"""The runtime forward over the trunk: embeddings -> layers -> final norm -> lm_head, with the engine's caches.
+
+transformers defines the modules and we load the weights into them; the loop, the caches and the kernels are ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from . import gdn
+from .cache import KVCache, GDNState
+from .checkpoint import TensorFiles, model_dir, read_json
+from .errors import EngineError
+from .events import Fallback
+from .families import Family, convert_gdn_layout, family_for, fuse_experts, mtp_layers_declared
+from .kernels import Backends, select_backends
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(q, k, cos, sin):
+    """Partial rotary embedding: only the first cos.shape[-1] dims of each head rotate."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rd = cos.shape[-1]
+    qr, kr = q[..., :rd], k[..., :rd]
+    q = torch.cat([qr * cos + _rotate_half(qr) * sin, q[..., rd:]], -1)
+    k = torch.cat([kr * cos + _rotate_half(kr) * sin, k[..., rd:]], -1)
+    return q, k
+
+
+def attention(attn, x, pos: int, cos, sin, kv: KVCache, slot: int) -> torch.Tensor:
+    """Gated full attention (Qwen3-Next / 3.5): q_proj yields the query and a sigmoid output gate."""
+    B, T, _ = x.shape
+    hd = attn.head_dim
+    q, gate = attn.q_proj(x).view(B, T, -1, 2 * hd).chunk(2, dim=-1)
+    q = attn.q_norm(q).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(x).view(B, T, -1, hd)).transpose(1, 2)
+    v = attn.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+    q, k = apply_rope(q, k, cos, sin)
+    keys, values = kv.write(slot, pos, k, v)
+    mask = None
+    if T > 1:  # query i sees keys 0..pos+i (bottom-right aligned causal mask)
+        mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(pos)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+    o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
+    return attn.o_proj(o)
+
+
+def mlp(layer, x: torch.Tensor) -> torch.Tensor:
+    y = layer.mlp(layer.post_attention_layernorm(x))
+    return y[0] if isinstance(y, tuple) else y
+
+
+@dataclass
+class Trunk:
+    """The loaded text model plus everything the engine needs to run it."""
+
+    family: Family
+    config: object
+    lm: torch.nn.Module  # the family's *ForCausalLM, weights loaded
+    rotary: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    backends: Backends
+    kinds: list[str] = field(default_factory=list)  # per layer: "linear_attention" | "full_attention"
+    slots: list[int] = field(default_factory=list)  # index of each layer in its cache (GDN or KV)
+
+    @property
+    def embed(self):
+        return self.lm.model.embed_tokens
+
+    @property
+    def layers(self):
+        return self.lm.model.layers
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm.lm_head(hidden).float()
+
+    def new_caches(self) -> "TrunkCaches":
+        c = self.config
+        n_gdn = self.kinds.count("linear_attention")
+        n_attn = len(self.kinds) - n_gdn
+        mixer = next((l.linear_attn for l, k in zip(self.layers, self.kinds) if k == "linear_attention"), None)
+        dims = dict(nk=c.linear_num_key_heads, dk=c.linear_key_head_dim, nv=c.linear_num_value_heads,
+                    dv=c.linear_value_head_dim, kernel=c.linear_conv_kernel_dim,
+                    conv=mixer.conv_dim if mixer is not None else 0)
+        return TrunkCaches(
+            kv=KVCache(n_attn, c.num_key_value_heads, c.head_dim, self.dtype, self.device),
+            gdn=GDNState(n_gdn, dims["conv"], dims["kernel"], dims["nv"], dims["dk"], dims["dv"], self.dtype,
+                         self.device),
+            dims=dims,
+            n_gdn=n_gdn,
+        )
+
+    def position_embeddings(self, x, pos: int, T: int):
+        ids = torch.arange(pos, pos + T, device=self.device).unsqueeze(0)
+        return self.rotary(x, ids)
+
+    def forward(self, tokens: torch.Tensor, pos: int, caches: "TrunkCaches", verify: bool) -> torch.Tensor:
+        """Run tokens [1, T] at positions pos..pos+T-1; return the hidden states after the final norm.
+
+        verify=False (prefill) writes the GDN state; verify=True stashes for commit(m) and leaves it alone.
+        """
+        T = tokens.shape[1]
+        h = self.embed(tokens)
+        cos, sin = self.position_embeddings(h, pos, T)
+        stash = caches.stash_for(T, self) if verify else None
+        for layer, kind, slot in zip(self.layers, self.kinds, self.slots):
+            x = layer.input_layernorm(h)
+            if kind == "linear_attention":
+                if verify:
+                    x = gdn.verify(layer.linear_attn, x, slot, caches.gdn, self.backends, stash)
+                else:
+                    x = gdn.prefill(layer.linear_attn, x, slot, caches.gdn, self.backends)
+            else:
+                x = attention(layer.self_attn, x, pos, cos, sin, caches.kv, slot)
+            h = h + x
+            h = h + mlp(layer, h)
+        if stash is not None:
+            stash.width = T
+        return self.lm.model.norm(h)
+
+
+@dataclass
+class TrunkCaches:
+    kv: KVCache
+    gdn: GDNState
+    dims: dict
+    n_gdn: int
+    stash: gdn.VerifyStash | None = None
+    processed: int = 0  # tokens whose state the caches hold
+
+    def stash_for(self, width: int, trunk: Trunk) -> gdn.VerifyStash:
+        if self.stash is None or not self.stash.fits(self.n_gdn, width, trunk.dtype, trunk.device):
+            self.stash = gdn.VerifyStash(self.n_gdn, max(width, 8), self.dims, trunk.dtype, trunk.device)
+        return self.stash
+
+    def commit(self, m: int, backends: Backends) -> None:
+        """Keep the first m + 1 tokens of the verify pass that started at `processed`."""
+        if self.n_gdn:
+            gdn.commit(self.gdn, self.stash, m, backends)
+        self.processed += m + 1
+        self.kv.trim(self.processed)
+
+    def abort(self) -> None:
+        """Discard a verify pass: the committed GDN state was never written; KV beyond `processed` is dead."""
+        if self.stash is not None:
+            self.stash.width = 0
+        self.kv.trim(self.processed)
+
+    def reset(self) -> None:
+        self.gdn.reset()
+        self.processed = 0
+        self.abort()
+
+
+# --- loading ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Loaded:
+    name: str
+    path: str
+    raw_config: dict
+    trunk: Trunk
+    mtp: object | None  # engine.mtp.MTPHead
+    mtp_layers: int
+    params: int
+    fallbacks: list[Fallback]
+
+
+def default_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype, list[Fallback]]:
+    fallbacks = []
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            fallbacks.append(Fallback("cuda", "no CUDA device: running on the CPU in float32 with torch kernels"))
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EngineError("--device cuda: no CUDA device is available (use --device cpu)")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise EngineError(f"--device {device!r}: expected cpu or cuda")
+    if dtype is None:
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise EngineError(f"--dtype {dtype!r}: expected one of {', '.join(table)}")
+    return torch.device(device), table[dtype], fallbacks
+
+
+def load(path, device: str | None = None, dtype: str | None = None) -> Loaded:
+    from .mtp import MTPHead
+
+    root = model_dir(path)
+    dev, dt, fallbacks = default_device_dtype(device, dtype)
+    raw = read_json(root / "config.json", "config.json")
+    family = family_for(raw, str(root / "config.json"))
+    try:
+        cfg = family.text_config(raw)
+    except Exception as e:
+        raise EngineError(f"{root / 'config.json'}: invalid {family.name} config ({str(e)[:200]})") from None
+    files = TensorFiles.open(root)
+
+    with torch.device("meta"):
+        lm = family.causal_lm_class()(cfg)
+    expected = lm.state_dict()
+    names = [k for k in files.keys() if family.trunk_key(k) is not None]
+    tensors = files.load(names, device="cpu" if dev.type == "cpu" else str(dev))
+    sd = {family.trunk_key(k): v for k, v in tensors.items()}
+    origin = {family.trunk_key(k): files.file_of[k] for k in names}
+    sd = convert_gdn_layout(fuse_experts(sd), set(expected), cfg)
+    if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # tied embeddings
+    _check_tensors(root, expected, sd, origin, what="trunk")
+    lm.load_state_dict({k: v.to(dt) for k, v in sd.items()}, strict=True, assign=True)
+    # Non-persistent buffers (rotary frequencies) are not in the checkpoint: build them for real.
+    lm.model.rotary_emb = rotary = type(lm.model.rotary_emb)(config=cfg)
+    lm.to(dev).eval()
+    kinds = list(cfg.layer_types)
+    slots, counters = [], {"linear_attention": 0, "full_attention": 0}
+    for kind in kinds:
+        if kind not in counters:
+            raise EngineError(f"{root / 'config.json'}: unknown layer type {kind!r}")
+        slots.append(counters[kind])
+        counters[kind] += 1
+    backends = select_backends(dev)
+    for op, (name, why) in backends.choice.items():
+        if name == "torch" and op.startswith("gdn") and dev.type == "cuda":
+            fallbacks.append(Fallback("fla", f"{op}: {why}"))
+    trunk = Trunk(family, cfg, lm, rotary, dev, dt, backends, kinds, slots)
+
+    mtp_keys = [k for k in files.keys() if k.startswith("mtp.")]
+    declared = mtp_layers_declared(raw)
+    mtp, n_mtp = None, 0
+    if not mtp_keys:
+        why = "no mtp.* tensors in the checkpoint"
+        if declared:
+            why = f"config declares {declared} MTP layer(s) but the checkpoint has no mtp.* tensors"
+        fallbacks.append(Fallback("speculation", f"{why}: plain decoding"))
+    else:
+        n_mtp = declared or len({k.split(".")[2] for k in mtp_keys if k.startswith("mtp.layers.")})
+        mtp = MTPHead.build(family, cfg, trunk, n_mtp, mtp_keys, files, dt)
+    params = sum(p.numel() for p in lm.parameters()) + (sum(p.numel() for p in mtp.parameters()) if mtp else 0)
+    return Loaded(root.name, str(root), raw, trunk, mtp, n_mtp, params, fallbacks)
+
+
+def _check_tensors(root, expected: dict, sd: dict, origin: dict, what: str) -> None:
+    missing = [k for k in expected if k not in sd]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise EngineError(f"{root}: {what} tensor {missing[0]!r} is missing from the checkpoint{more}")
+    unexpected = [k for k in sd if k not in expected]
+    if unexpected:
+        raise EngineError(f"{root}: unexpected {what} tensor {unexpected[0]!r} ({origin.get(unexpected[0], '?')}); "
+                          f"config.json does not describe these weights")
+    for k, t in expected.items():
+        if tuple(sd[k].shape) != tuple(t.shape):
+            raise EngineError(f"{root / origin.get(k, '?')}: tensor {k!r} has shape {tuple(sd[k].shape)}, "
+                              f"config.json implies {tuple(t.shape)}")

@@ -1,0 +1,86 @@
+"""The MTP head: fc([norm_e(embed(t_{p+1})); norm_h(h_p)]) -> full-attention decoder layer -> norm -> lm_head.
+
+At position p it takes the trunk's hidden after the final norm and the next token, and predicts t_{p+2}. It has no
+embedding or lm_head of its own (both are the trunk's) and its own KV cache. Chaining feeds back its own
+post-`mtp.norm` hidden.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .cache import KVCache
+from .errors import EngineError
+from .families import fuse_experts
+from .model import attention, mlp
+
+
+class MTPHead(nn.Module):
+    def __init__(self, config, family, n_layers: int):
+        super().__init__()
+        layer_cls, norm_cls = family.decoder_layer_class()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.pre_fc_norm_embedding = norm_cls(H, eps=eps)
+        self.pre_fc_norm_hidden = norm_cls(H, eps=eps)
+        self.norm = norm_cls(H, eps=eps)
+        self.layers = nn.ModuleList([layer_cls(config, 0) for _ in range(n_layers)])
+        self.trunk = None  # set by build(); not a submodule (its weights belong to the trunk)
+
+    @staticmethod
+    def layer_config(config, has_experts: bool):
+        """A copy of the trunk config whose layer 0 is full attention, with an MoE MLP iff the checkpoint's is."""
+        c = copy.deepcopy(config)
+        c.layer_types = ["full_attention"]
+        c.num_hidden_layers = 1
+        if hasattr(c, "mlp_only_layers"):
+            c.mlp_only_layers = [] if has_experts else [0]
+        if hasattr(c, "decoder_sparse_step"):
+            c.decoder_sparse_step = 1
+        return c
+
+    @classmethod
+    def build(cls, family, config, trunk, n_layers, keys, files, dtype) -> "MTPHead":
+        has_experts = any(".mlp.experts." in k or k.endswith(".mlp.gate.weight") for k in keys)
+        with torch.device("meta"):
+            head = cls(cls.layer_config(config, has_experts), family, n_layers)
+        expected = head.state_dict()
+        sd = files.load(keys, device="cpu" if trunk.device.type == "cpu" else str(trunk.device))
+        sd = fuse_experts({k[len("mtp."):]: v for k, v in sd.items()})
+        missing = [k for k in expected if k not in sd]
+        if missing:
+            raise EngineError(f"{files.root}: partial MTP head: tensor 'mtp.{missing[0]}' is missing "
+                              f"({len(missing)} missing in all)")
+        extra = [k for k in sd if k not in expected]
+        if extra:
+            raise EngineError(f"{files.root}: unexpected MTP tensor 'mtp.{extra[0]}'")
+        for k, t in expected.items():
+            if tuple(sd[k].shape) != tuple(t.shape):
+                raise EngineError(f"{files.root}: tensor 'mtp.{k}' has shape {tuple(sd[k].shape)}, "
+                                  f"expected {tuple(t.shape)}")
+        head.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
+        head.to(trunk.device).eval()
+        head.trunk = trunk
+        return head
+
+    def new_cache(self) -> KVCache:
+        c = self.trunk.config
+        return KVCache(1, c.num_key_value_heads, c.head_dim, self.trunk.dtype, self.trunk.device)
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int, cache: KVCache, prenormed: bool = False):
+        """hidden [1, T, H] at positions pos..pos+T-1, tokens [1, T] = the token after each position.
+
+        Returns (logits [1, T, V] float32, post-norm hidden [1, T, H]). Writes KV at pos..pos+T-1.
+        """
+        trunk = self.trunk
+        e = self.pre_fc_norm_embedding(trunk.embed(tokens))
+        h = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], -1))  # embedding first, hidden second
+        cos, sin = trunk.position_embeddings(h, pos, h.shape[1])
+        layer = self.layers[0]
+        h = h + attention(layer.self_attn, layer.input_layernorm(h), pos, cos, sin, cache, 0)
+        h = h + mlp(layer, h)
+        out = self.norm(h)
+        return trunk.logits(out), out

@@ -1,0 +1,115 @@
+"""The decode loop: prefill -> (draft -> verify -> accept -> commit)* ; plain decoding is depth 0 of the same loop.
+
+State passed explicitly: `Request` holds the committed sequence and the counters of one generation; the trunk
+caches hold the processed prefix (every committed token but the last).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .events import DRAFT, TARGET, Cycle
+from .sampling import SamplingParams, probabilities, sample
+from .timing import PhaseTimer
+
+
+@dataclass
+class Request:
+    seq: torch.Tensor  # committed tokens on the device (prompt + generated); capacity grows by doubling
+    length: int  # committed tokens in seq
+    prompt_len: int
+    max_new: int
+    stop_ids: frozenset[int]
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    generated: list[int] = field(default_factory=list)
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    per_position: list[list[int]] = field(default_factory=list)  # [drafted, accepted] per draft position
+    finish: str | None = None
+
+    def append(self, tokens: torch.Tensor) -> None:
+        n = tokens.shape[0]
+        if self.length + n > self.seq.shape[0]:
+            grown = torch.empty(2 * (self.length + n), dtype=self.seq.dtype, device=self.seq.device)
+            grown[: self.length] = self.seq[: self.length]
+            self.seq = grown
+        self.seq[self.length : self.length + n] = tokens
+        self.length += n
+
+
+def prefill(trunk, caches, drafter, ids: torch.Tensor, chunk: int, timer: PhaseTimer) -> torch.Tensor:
+    """Process prompt ids [n] in chunks; return the last position's logits [1, V]."""
+    with timer.phase("prefill"):
+        for s in range(0, ids.shape[0], chunk):
+            part = ids[s : s + chunk].unsqueeze(0)
+            caches.kv.reserve(part.shape[1])
+            h = trunk.forward(part, caches.processed, caches, verify=False)
+            caches.processed += part.shape[1]
+            caches.kv.trim(caches.processed)
+            if drafter is not None:
+                drafter.observe(h)
+        return trunk.logits(h[:, -1])
+
+
+def pick(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """The target's token for each row of logits [N, V]."""
+    if req.sampling.greedy:
+        return logits.argmax(-1)
+    return sample(probabilities(logits, req.sampling), req.generator)
+
+
+def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
+    """One cycle. Returns (new tokens, their sources, Cycle stats). Leaves committed state on any exception."""
+    timer.start_cycle()
+    k = min(depth, req.max_new - len(req.generated) - 1) if drafter is not None else 0
+    seq = req.seq[: req.length]
+    try:
+        drafts = drafter.propose(seq, k, timer) if k > 0 else seq[:0]
+        with timer.phase("verify"):
+            inp = torch.cat([seq[-1:], drafts]).unsqueeze(0)
+            caches.kv.reserve(k + 1)
+            hidden = trunk.forward(inp, caches.processed, caches, verify=True)
+            logits = trunk.logits(hidden[0])
+        with timer.phase("sampling"):
+            targets = pick(logits, req)
+        with timer.phase("accept"):
+            m = (targets[:k] == drafts).int().cumprod(0).sum().view(1)
+            host = torch.cat([m, targets, drafts]).tolist()  # the one host sync of the cycle
+        m, targets, drafts_h = host[0], host[1 : k + 2], host[k + 2 :]
+        out = drafts_h[:m] + [targets[m]]
+        sources = [DRAFT] * m + [TARGET]
+        for j, tok in enumerate(out):  # stop at the first EOS: plain decoding would never process past it
+            if tok in req.stop_ids:
+                out, sources, m = out[: j + 1], sources[: j + 1], j
+                req.finish = "eos"
+                break
+        with timer.phase("commit"):
+            caches.commit(m, trunk.backends)
+            if drafter is not None:
+                drafter.rollback()
+                drafter.observe(hidden[:, : m + 1])
+            req.append(torch.tensor(out, dtype=torch.long, device=req.seq.device))
+    except BaseException:
+        caches.abort()
+        if drafter is not None:
+            drafter.rollback()
+        raise
+    accepted_flags = [i < m for i in range(k)]
+    req.cycles += 1
+    req.drafted += k
+    req.accepted += m
+    while len(req.per_position) < k:
+        req.per_position.append([0, 0])
+    for i in range(k):
+        req.per_position[i][0] += 1
+        req.per_position[i][1] += int(accepted_flags[i])
+    req.generated.extend(out)
+    if req.finish is None and len(req.generated) >= req.max_new:
+        req.finish = "length"
+    stats = Cycle(req.cycles, k, k, m, accepted_flags, timer.collect(), len(out))
+    return out, sources, stats
+

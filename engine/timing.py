@@ -1,0 +1,58 @@
+"""Phase timers: CUDA events on the GPU (read back without extra host syncs), perf_counter on the CPU."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+PHASES = ("prefill", "priming", "draft", "verify", "accept", "commit", "refresh", "sampling", "detokenize")
+
+
+class PhaseTimer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[str, object, object]] = []  # CUDA: (phase, start event, end event)
+        self.totals: dict[str, float] = {}
+        self.recent: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self.pending.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._add(self.recent, name, (time.perf_counter() - t0) * 1e3)
+
+
+    def _add(self, into: dict, name: str, ms: float) -> None:
+        into[name] = into.get(name, 0.0) + ms
+
+    def start_cycle(self) -> None:
+        self.recent = {}
+
+    def collect(self, block: bool = False) -> dict[str, float]:
+        """Phase times that are known now. On CUDA only finished events are read (block=True waits at the end)."""
+        if self.cuda:
+            keep = []
+            for name, start, end in self.pending:
+                if block or end.query():
+                    end.synchronize()
+                    self._add(self.recent, name, start.elapsed_time(end))
+                else:
+                    keep.append((name, start, end))
+            self.pending = keep
+        out, self.recent = self.recent, {}
+        for k, v in out.items():
+            self._add(self.totals, k, v)
+        return out

@@ -1,0 +1,53 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from fixtures import write_checkpoint  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# name -> (family, options): every released layout the loader must read
+FIXTURES = {
+    "next": ("qwen3_next", {}),
+    "next_moe": ("qwen3_next", {"moe": True}),
+    "q35": ("qwen3_5", {}),
+    "q35_moe": ("qwen3_5_moe", {}),
+}
+EXTRA = {
+    "q35_text": ("qwen3_5", {"wrapped": False}),
+    "next_sharded_experts": ("qwen3_next", {"moe": True, "shards": True, "per_expert": True, "seed": 3}),
+    "next_nomtp": ("qwen3_next", {"mtp": False, "seed": 5}),
+}
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """ckpt(name) -> path of a tiny checkpoint, written once per session."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            family, opts = {**FIXTURES, **EXTRA}[name]
+            made[name] = write_checkpoint(tmp_path_factory.mktemp(name), family, **opts)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def engines(ckpt):
+    from engine import load_engine
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = load_engine(str(ckpt(name)))
+        return cache[name]
+
+    return get

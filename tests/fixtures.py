@@ -1,0 +1,210 @@
+"""Tiny real checkpoints for tests, written by transformers' own save_pretrained in the released key layouts,
+with `mtp.*` tensors added and a real byte-level BPE tokenizer with a ChatML template.
+
+Weights are random but scaled so argmax margins are clear (a wrong norm convention or a wrong cache changes
+the tokens), and every norm weight is non-zero (a missing `1 + w` shows).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEXT = """The quick brown fox jumps over the lazy dog. A speculative decoder drafts tokens and the target verifies
+them. Gated delta networks keep a recurrent state; attention layers keep keys and values. Hello, how are you today?
+I am fine, thank you. What is the capital of France? Paris is the capital of France. Tell me a story about a cat.
+Once upon a time there was a cat who liked to sleep in the sun. def main(): print('hello world') return 0
+"""
+VOCAB = 384
+
+
+@lru_cache(maxsize=1)
+def tokenizer_files() -> dict[str, str]:
+    """Train a small byte-level BPE once per process; return file name -> content."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT] * 4, trainer)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "chat_template": CHATML,
+        "model_max_length": 4096,
+    }
+    return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config)}
+
+
+def special_id(name: str) -> int:
+    return json.loads(tokenizer_files()["tokenizer.json"])["added_tokens"][SPECIALS.index(name)]["id"]
+
+
+def text_kwargs(moe: bool = False, layer_types=None, **over) -> dict:
+    layer_types = layer_types or ["linear_attention", "full_attention", "linear_attention", "linear_attention",
+                                  "full_attention"]
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=len(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, layer_types=layer_types,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=4096,
+        tie_word_embeddings=False, pad_token_id=special_id("<|endoftext|>"), eos_token_id=special_id("<|im_end|>"),
+        bos_token_id=None,
+    )
+    if moe:
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    kw.update(over)
+    return kw
+
+
+def _scale_weights(model: torch.nn.Module, seed: int) -> None:
+    """Clear margins: big embeddings / lm_head, non-zero norm weights everywhere, a spread of A_log."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name or "norm_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.4 + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.6 / p.shape[-1] ** 0.5))
+
+
+def _mtp_tensors(family_name: str, text_config, seed: int) -> dict[str, torch.Tensor]:
+    from engine.families import SUPPORTED
+    from engine.mtp import MTPHead
+
+    family = SUPPORTED[family_name]
+    has_experts = bool(getattr(text_config, "num_experts", 0))
+    torch.manual_seed(seed)
+    head = MTPHead(MTPHead.layer_config(text_config, has_experts), family, 1)
+    _scale_weights(head, seed + 1)
+    return {f"mtp.{k}": v.contiguous() for k, v in head.state_dict().items()}
+
+
+def write_checkpoint(
+    path: Path,
+    family: str = "qwen3_next",
+    moe: bool = False,
+    mtp: bool = True,
+    wrapped: bool | None = None,
+    seed: int = 0,
+    shards: bool = False,
+    per_expert: bool = False,
+    **config_over,
+) -> Path:
+    """Write a tiny checkpoint. family: qwen3_next | qwen3_5 | qwen3_5_moe; wrapped defaults to the release layout."""
+    import transformers as tf
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    if family == "qwen3_next":
+        kw = text_kwargs(moe=moe, **config_over)
+        if moe:
+            kw.setdefault("mlp_only_layers", [0])  # one dense layer among MoE layers
+            kw.setdefault("decoder_sparse_step", 1)
+        else:
+            kw["num_experts"] = 0
+        cfg = tf.Qwen3NextConfig(**kw)
+        model = tf.Qwen3NextForCausalLM(cfg)
+        text_cfg = cfg
+    else:
+        moe = family == "qwen3_5_moe"
+        wrapped = True if wrapped is None else wrapped
+        kw = text_kwargs(moe=moe, **config_over)
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+        text_cls = tf.Qwen3_5MoeTextConfig if moe else tf.Qwen3_5TextConfig
+        if wrapped:
+            vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                          patch_size=4, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+            cfg_cls = tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config
+            cfg = cfg_cls(text_config=kw, vision_config=vision, tie_word_embeddings=False)
+            model_cls = tf.Qwen3_5MoeForConditionalGeneration if moe else tf.Qwen3_5ForConditionalGeneration
+            model = model_cls(cfg)
+            text_cfg = cfg.text_config
+        else:
+            cfg = text_cls(**kw)
+            model = (tf.Qwen3_5MoeForCausalLM if moe else tf.Qwen3_5ForCausalLM)(cfg)
+            text_cfg = cfg
+    _scale_weights(model, seed)
+    model.save_pretrained(path, max_shard_size="40KB" if shards else "10GB")
+    if per_expert:
+        _split_experts(path)
+    if mtp:
+        extra = _mtp_tensors(family, text_cfg, seed + 7)
+        _add_tensors(path, extra)
+        conf = json.loads((path / "config.json").read_text())
+        target = conf.get("text_config", conf) if family != "qwen3_next" else conf
+        target["num_nextn_predict_layers" if family == "qwen3_next" else "mtp_num_hidden_layers"] = 1
+        (path / "config.json").write_text(json.dumps(conf, indent=2))
+    for name, content in tokenizer_files().items():
+        (path / name).write_text(content)
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": special_id("<|im_end|>"), "pad_token_id": special_id("<|endoftext|>")}))
+    return path
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors"))
+
+
+def _add_tensors(path: Path, extra: dict[str, torch.Tensor]) -> None:
+    """Put extra tensors into the (last) safetensors file, updating the shard index when there is one."""
+    last = _files(path)[-1]
+    tensors = load_file(last)
+    tensors.update(extra)
+    save_file(tensors, last, metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k: last.name for k in extra})
+        index.write_text(json.dumps(data, indent=2))
+
+
+def _split_experts(path: Path) -> None:
+    """Rewrite fused expert tensors as one tensor per expert (the other released MoE layout)."""
+    for f in _files(path):
+        tensors = load_file(f)
+        out = {}
+        for k, v in tensors.items():
+            if k.endswith("mlp.experts.gate_up_proj"):
+                base = k[: -len("gate_up_proj")]
+                for e in range(v.shape[0]):
+                    gate, up = v[e].chunk(2, dim=0)
+                    out[f"{base}{e}.gate_proj.weight"] = gate.contiguous()
+                    out[f"{base}{e}.up_proj.weight"] = up.contiguous()
+            elif k.endswith("mlp.experts.down_proj"):
+                base = k[: -len("down_proj")]
+                for e in range(v.shape[0]):
+                    out[f"{base}{e}.down_proj.weight"] = v[e].contiguous()
+            else:
+                out[k] = v
+        save_file(out, f, metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        wm = {}
+        for f in _files(path):
+            for k in load_file(f):
+                wm[k] = f.name
+        data = json.loads(index.read_text())
+        data["weight_map"] = wm
+        index.write_text(json.dumps(data, indent=2))
