@@ -18,7 +18,8 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .environment import DeviceInfo, cuda_unavailable_reason, fla_status, format_bytes, probe_device, run_dtype
+from .environment import (DeviceInfo, cuda_unavailable_reason, fla_status, format_bytes, probe_device,
+                          run_dtype)
 from .families import SUPPORTED, mtp_layers_declared
 
 log = logging.getLogger(__name__)

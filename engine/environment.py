@@ -344,9 +344,8 @@ def backend_plan(device: DeviceInfo | None) -> dict[str, dict]:
         else:
             plan[op] = {"backend": "torch", "reason": f"torch reference kernel: FLA unusable ({why})"}
     on_cuda = device is not None and device.kind == "cuda"
-    plan["attention"] = {"backend": "torch",
-                         "reason": "torch scaled_dot_product_attention" + (" (flash / memory-efficient backends on CUDA)"
-                                                                           if on_cuda else " (math backend on CPU)")}
+    sdpa = "flash / memory-efficient backends on CUDA" if on_cuda else "math backend on CPU"
+    plan["attention"] = {"backend": "torch", "reason": f"torch scaled_dot_product_attention ({sdpa})"}
     plan["moe"] = {"backend": "torch", "reason": "torch expert dispatch (only the routed experts run)"}
     return plan
 

@@ -52,9 +52,36 @@ def attention(attn, x, pos: int, cos, sin, kv: KVCache, slot: int) -> torch.Tens
     return attn.o_proj(o)
 
 
+MOE_ROWWISE_MAX_TOKENS = 32
+
+
 def mlp(layer, x: torch.Tensor) -> torch.Tensor:
-    y = layer.mlp(layer.post_attention_layernorm(x))
+    x = layer.post_attention_layernorm(x)
+    block = layer.mlp
+    if hasattr(block, "experts") and x.shape[1] <= MOE_ROWWISE_MAX_TOKENS:
+        return moe_rowwise(block, x)
+    y = block(x)
     return y[0] if isinstance(y, tuple) else y
+
+
+def moe_rowwise(block, x: torch.Tensor) -> torch.Tensor:
+    """Sparse MoE for decode / verify widths: device-side routing, one batched matmul per projection, no Python
+    loop over experts, and every (token, expert) pair computed on its own, so a token's output does not depend
+    on which other tokens share the batch (the verify pass's rows must not depend on the rejected tail)."""
+    B, T, H = x.shape
+    h = x.reshape(-1, H)
+    router = block.gate
+    probs = torch.softmax(F.linear(h, router.weight), dim=-1, dtype=torch.float)
+    weights, idx = torch.topk(probs, router.top_k, dim=-1)
+    if getattr(router, "norm_topk_prob", True):
+        weights = weights / weights.sum(-1, keepdim=True)
+    experts, flat = block.experts, idx.reshape(-1)
+    rows = h.repeat_interleave(router.top_k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+    gate, up = torch.bmm(experts.gate_up_proj[flat], rows).squeeze(-1).chunk(2, dim=-1)
+    y = torch.bmm(experts.down_proj[flat], (experts.act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)
+    y = (y.view(-1, router.top_k, H) * weights.to(y.dtype).unsqueeze(-1)).sum(1)
+    shared = block.shared_expert(h) * torch.sigmoid(block.shared_expert_gate(h))
+    return (y + shared).view(B, T, H)
 
 
 @dataclass

@@ -1,0 +1,207 @@
+"""transformers is the oracle: greedy output equals generate(do_sample=False); speculative equals plain."""
+
+import pytest
+import torch
+import transformers as tf
+
+from engine import GenerationSettings
+from engine.drafters import OracleDrafter
+from engine.events import Finished, Tokens
+
+FAMILIES = ["next", "next_moe", "q35", "q35_moe"]
+PROMPTS = [
+    [{"role": "user", "content": "Tell me a story about a cat."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France? "
+                                                                                   "Hello, how are you today?"}],
+]
+
+
+def decode(engine, prompt, drafter=None, **kw):
+    kw.setdefault("ignore_eos", True)
+    kw.setdefault("max_new_tokens", 24)
+    events = list(engine.generate(prompt, GenerationSettings(**kw), drafter=drafter))
+    tokens = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+    sources = [s for e in events if isinstance(e, Tokens) for s in e.sources]
+    return tokens, sources, events[-1]
+
+
+@pytest.fixture(scope="module")
+def hf_models(ckpt):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = tf.AutoModelForCausalLM.from_pretrained(str(ckpt(name)), dtype=torch.float32).eval()
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", FAMILIES + ["q35_text", "next_sharded_experts"])
+def test_greedy_equals_transformers_generate(name, engines, hf_models):
+    engine, hf = engines(name), hf_models(name)
+    for messages in PROMPTS:
+        prompt = engine.encode_chat(messages)
+        # a prefill chunk shorter than the prompt exercises chunked prefill
+        ours, sources, fin = decode(engine, prompt, depth=0, prefill_chunk=7)
+        assert len(prompt) > 7
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        assert ours == ref[0, len(prompt):].tolist()
+        assert set(sources) == {"target"} and fin.stats["drafted"] == 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_mtp_speculation_equals_plain(name, depth, engines):
+    engine = engines(name)
+    prompt = engine.encode_chat(PROMPTS[0])
+    plain, _, _ = decode(engine, prompt, depth=0)
+    spec, sources, fin = decode(engine, prompt, depth=depth)
+    assert spec == plain
+    assert fin.stats["drafted"] > 0 and fin.stats["drafter"] == "mtp"  # drafting really ran
+    assert sources.count("draft") == fin.stats["accepted"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_oracle_full_and_zero_acceptance(name, depth, engines):
+    engine = engines(name)
+    prompt = engine.encode_chat(PROMPTS[1])
+    plain, _, _ = decode(engine, prompt, depth=0)
+    vocab = engine.trunk.config.vocab_size
+
+    full, sources, fin = decode(engine, prompt, OracleDrafter(plain, len(prompt), 0.0, vocab), depth=depth)
+    assert full == plain
+    assert fin.stats["acceptance_rate"] == 1.0 and sources.count("draft") > 0
+    assert fin.stats["cycles"] < len(plain) - 1  # fewer verify passes than tokens
+
+    none, sources, fin = decode(engine, prompt, OracleDrafter(plain, len(prompt), 1.0, vocab), depth=depth)
+    assert none == plain
+    assert fin.stats["drafted"] > 0 and fin.stats["accepted"] == 0 and "draft" not in sources
+
+
+class RejectAt:
+    """Proposes the true continuation but corrupts draft position (cycle % k): partial acceptance at every
+    position in turn."""
+
+    name = "reject-at"
+
+    def __init__(self, reference, prompt_len, vocab):
+        self.ref, self.prompt_len, self.vocab, self.calls = reference, prompt_len, vocab, 0
+
+    def reset(self):
+        pass
+
+    def observe(self, hidden):
+        pass
+
+    def rollback(self):
+        pass
+
+    def propose(self, seq, k, timer):
+        start = seq.shape[0] - self.prompt_len
+        out = [self.ref[start + i] if start + i < len(self.ref) else 0 for i in range(k)]
+        bad = self.calls % k
+        out[bad] = (out[bad] + 1) % self.vocab
+        self.calls += 1
+        return torch.tensor(out, device=seq.device)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("depth", [2, 3, 4])
+def test_partial_acceptance_at_every_position(name, depth, engines):
+    engine = engines(name)
+    prompt = engine.encode_chat(PROMPTS[0])
+    plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=40)
+    drafter = RejectAt(plain, len(prompt), engine.trunk.config.vocab_size)
+    spec, sources, fin = decode(engine, prompt, drafter, depth=depth, max_new_tokens=40)
+    assert spec == plain
+    per_pos = fin.stats["per_position_acceptance"]
+    assert len(per_pos) == depth and 0 < fin.stats["acceptance_rate"] < 1
+    assert per_pos[0] > 0  # position 0 accepted whenever a later position was the corrupted one
+
+
+def test_eos_inside_accepted_drafts_stops_like_plain(engines):
+    """Plain decoding stops at the first EOS; speculation must not emit what follows an accepted EOS draft."""
+    engine = engines("next")
+    prompt = engine.encode_chat(PROMPTS[0])
+    plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=30)
+    stop = plain[5]  # pretend this token is EOS
+    engine.stop_ids, saved = frozenset({stop}), engine.stop_ids
+    try:
+        ref, _, fin0 = decode(engine, prompt, depth=0, ignore_eos=False, max_new_tokens=30)
+        vocab = engine.trunk.config.vocab_size
+        spec, sources, fin = decode(engine, prompt, OracleDrafter(plain, len(prompt), 0.0, vocab), depth=4,
+                                    ignore_eos=False, max_new_tokens=30)
+    finally:
+        engine.stop_ids = saved
+    assert ref == plain[: plain.index(stop) + 1] and fin0.reason == "eos"
+    assert spec == ref and fin.reason == "eos" and "draft" in sources
+
+
+def test_max_new_tokens_is_exact_at_every_depth(engines):
+    engine = engines("next")
+    prompt = engine.encode_chat(PROMPTS[0])
+    plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=11)
+    for depth in range(1, 5):
+        vocab = engine.trunk.config.vocab_size
+        spec, _, fin = decode(engine, prompt, OracleDrafter(plain, len(prompt), 0.0, vocab), depth=depth,
+                              max_new_tokens=11)
+        assert spec == plain and len(spec) == 11 and fin.reason == "length"
+
+
+def test_seeded_sampling_reproduces(engines):
+    engine = engines("next")
+    prompt = engine.encode_chat(PROMPTS[0])
+    a, _, _ = decode(engine, prompt, depth=0, temperature=0.9, top_p=0.95, top_k=50, seed=7)
+    b, _, _ = decode(engine, prompt, depth=0, temperature=0.9, top_p=0.95, top_k=50, seed=7)
+    c, _, _ = decode(engine, prompt, depth=0, temperature=0.9, top_p=0.95, top_k=50, seed=8)
+    greedy, _, _ = decode(engine, prompt, depth=0)
+    assert a == b
+    assert a != c or a != greedy  # a different seed (or greedy) changes the sample
+
+
+def test_sampling_at_depth_reports_fallback(engines):
+    engine = engines("next")
+    prompt = engine.encode_chat(PROMPTS[0])
+    _, sources, fin = decode(engine, prompt, depth=3, temperature=0.8, seed=1)
+    assert fin.stats["drafted"] == 0 and set(sources) == {"target"}
+    assert any(f.feature == "speculation" and "sampling" in f.reason for f in fin.fallbacks)
+
+
+def test_no_mtp_head_falls_back_to_plain(engines):
+    engine = engines("next_nomtp")
+    prompt = engine.encode_chat(PROMPTS[0])
+    _, sources, fin = decode(engine, prompt, depth=2)
+    assert engine.mtp_drafter is None and fin.stats["drafted"] == 0
+    assert any(f.feature == "speculation" and "no mtp" in f.reason.lower() for f in fin.fallbacks)
+
+
+def test_generated_pad_token_is_a_valid_input(tmp_path):
+    """A fixture whose config says PAD is a token the model generates mid-reply: nothing masks it."""
+    import json
+
+    from engine import load_engine
+    from fixtures import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "m", "qwen3_next")
+    engine = load_engine(str(path))
+    prompt = engine.encode_chat(PROMPTS[0])
+    plain, _, _ = decode(engine, prompt, depth=0)
+    pad = plain[6]
+    conf = json.loads((path / "config.json").read_text())
+    conf["pad_token_id"] = pad
+    (path / "config.json").write_text(json.dumps(conf))
+    engine = load_engine(str(path))
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    assert hf.config.pad_token_id == pad
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                      pad_token_id=pad)[0, len(prompt):].tolist()
+    again, _, _ = decode(engine, prompt, depth=0)
+    assert again == plain == ref and pad in again[1:-1]
+    vocab = engine.trunk.config.vocab_size
+    for depth in (1, 3):
+        spec, sources, fin = decode(engine, prompt, OracleDrafter(plain, len(prompt), 0.0, vocab), depth=depth)
+        assert spec == plain and fin.stats["accepted"] > 0
+        mtp, _, fin = decode(engine, prompt, depth=depth)
+        assert mtp == plain and fin.stats["drafted"] > 0
