@@ -15,6 +15,7 @@ from .drafters import MTPDrafter
 from .errors import EngineError
 from .events import Fallback, Finished, Started, Tokens
 from .model import Loaded, load
+from .reuse import TurnCache
 from .sampling import SamplingParams
 from .speculative import Request, cycle, pick, prefill
 from .timing import PhaseTimer
@@ -32,6 +33,7 @@ class GenerationSettings:
     seed: int | None = None
     ignore_eos: bool = False
     prefill_chunk: int = 512
+    reuse: bool = True  # continue from the state the previous request left (see reuse.py)
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -100,6 +102,7 @@ class Engine:
         self.trunk = loaded.trunk
         self.caches = self.trunk.new_caches()
         self.mtp_drafter = MTPDrafter(loaded.mtp) if loaded.mtp is not None else None
+        self.turns = TurnCache()
         t = self.trunk
         self.info = ModelInfo(loaded.name, loaded.path, t.family.name, loaded.raw_config.get("model_type", ""),
                               loaded.mtp_layers, loaded.params, str(t.device), str(t.dtype).replace("torch.", ""))
@@ -128,9 +131,6 @@ class Engine:
         if settings.depth > 0 or drafter is not None:
             if drafter is None and self.mtp_drafter is None:
                 out += [f for f in self.loaded.fallbacks if f.feature == "speculation"]
-            elif settings.temperature > 0:
-                out.append(Fallback("speculation", "sampling (temperature > 0) is not supported by the speculative "
-                                                   "path yet: plain decoding"))
         return out
 
     def generate(self, prompt_ids: list[int], settings: GenerationSettings, control: DecodeControl | None = None,
@@ -157,45 +157,67 @@ class Engine:
                       stop_ids=frozenset() if settings.ignore_eos else self.stop_ids,
                       sampling=SamplingParams(settings.temperature, settings.top_k, settings.top_p), generator=gen)
         req.append(ids)
-        yield Started(len(prompt_ids), 0, fallbacks)
+        turns = self.turns
+        if not settings.reuse:
+            turns.reset()
+        start, snap = turns.plan(prompt_ids, drafter)
+        yield Started(len(prompt_ids), start, fallbacks)
 
         t0 = time.perf_counter()
         detok = IncrementalDecoder(self.tokenizer)
-        cycles, ttft = [], None
+        ttft, ok = None, False
         with torch.inference_mode():
-            self.caches.reset()
-            if drafter is not None:
-                drafter.reset()
             try:
-                logits = prefill(self.trunk, self.caches, drafter, ids, settings.prefill_chunk, timer)
+                if snap is not None:
+                    turns.restore(snap, self.caches, drafter)
+                elif start == 0:
+                    self.caches.reset()
+                    if drafter is not None:
+                        drafter.reset()
+                    turns.reset()
+                turns.drafter = drafter
+                if start < len(prompt_ids):
+                    logits = prefill(self.trunk, self.caches, drafter, ids[start:], settings.prefill_chunk, timer)
+                    turns.history = list(prompt_ids)
+                    turns.take(len(prompt_ids), logits, self.caches, drafter)
+                else:
+                    logits = snap.logits
                 with timer.phase("sampling"):
                     first = pick(logits, req)
                 req.append(first)
                 first_id = int(first[0])
-            except BaseException:
-                self.caches.reset()
-                raise
-            req.generated.append(first_id)
-            if first_id in req.stop_ids:
-                req.finish = "eos"
-            elif len(req.generated) >= req.max_new:
-                req.finish = "length"
-            timer.collect()
-            ttft = (time.perf_counter() - t0) * 1e3
-            with timer.phase("detokenize"):
-                text = detok.push([first_id])
-            yield Tokens([first_id], ["target"], text)
-            while req.finish is None:
-                if control.stopped:
-                    req.finish = "stop"
-                    break
-                depth = settings.depth if control.depth is None else control.depth
-                out, sources, stats = cycle(self.trunk, self.caches, drafter, req, max(0, int(depth)), timer)
+                req.generated.append(first_id)
+                if first_id in req.stop_ids:
+                    req.finish = "eos"
+                elif len(req.generated) >= req.max_new:
+                    req.finish = "length"
+                timer.collect()
+                ttft = (time.perf_counter() - t0) * 1e3
                 with timer.phase("detokenize"):
-                    text = detok.push(out)
-                cycles.append(stats)
-                yield stats
-                yield Tokens(out, sources, text)
+                    text = detok.push([first_id])
+                yield Tokens([first_id], ["target"], text)
+                while req.finish is None:
+                    if control.stopped:
+                        req.finish = "stop"
+                        break
+                    depth = settings.depth if control.depth is None else control.depth
+                    out, sources, stats = cycle(self.trunk, self.caches, drafter, req, max(0, int(depth)), timer)
+                    with timer.phase("detokenize"):
+                        text = detok.push(out)
+                    yield stats
+                    yield Tokens(out, sources, text)
+                ok = True
+            except GeneratorExit:  # the consumer stopped reading: the committed state is consistent
+                ok = True
+                raise
+            finally:
+                # What the caches hold is the committed sequence minus its last (unprocessed) token. After any
+                # other exception the state is dropped, cleanly: the next request starts from zero.
+                if ok:
+                    turns.history = req.seq[: self.caches.processed].tolist()
+                else:
+                    self.caches.reset()
+                    turns.reset()
         timer.collect(block=True)
         elapsed = time.perf_counter() - t0
         decode_s = max(elapsed - ttft / 1e3, 1e-9)
@@ -203,6 +225,8 @@ class Engine:
             "depth": settings.depth if control.depth is None else control.depth,
             "drafter": getattr(drafter, "name", None),
             "prompt_tokens": len(prompt_ids),
+            "reused_tokens": start,
+            "prefilled_tokens": len(prompt_ids) - start,
             "generated_tokens": len(req.generated),
             "cycles": req.cycles,
             "drafted": req.drafted,

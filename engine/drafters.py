@@ -10,6 +10,8 @@ import random
 
 import torch
 
+from .sampling import probabilities, sample
+
 
 class MTPDrafter:
     """The checkpoint's own MTP head. Its cache only ever holds verified positions: every proposal first runs
@@ -46,18 +48,26 @@ class MTPDrafter:
         self.pending = []
         return logits[:, -1], out[:, -1:]
 
-    def propose(self, seq_tokens: torch.Tensor, k: int, timer) -> torch.Tensor:
-        """k greedy drafts [k] on the device. Speculative cache entries stay until rollback()."""
+    def propose(self, seq_tokens: torch.Tensor, k: int, timer, req=None):
+        """k drafts [k] on the device, and their distributions [k, V] when sampling (None when greedy).
+        Speculative cache entries stay until rollback()."""
         with timer.phase("priming" if self.covered == 0 else "refresh"):
             logits, h = self.catch_up(seq_tokens)
+        greedy = req is None or req.sampling.greedy
         with timer.phase("draft"):
-            drafts = [logits.argmax(-1)]
+            drafts, qs = [], []
             pos = self.covered  # speculative positions start right after the verified ones
             self.cache.reserve(k)
-            for j in range(1, k):
-                logits, h = self.head(h, drafts[-1].view(1, 1), pos + j - 1, self.cache)
-                drafts.append(logits[:, -1].argmax(-1))
-            return torch.cat(drafts)
+            for j in range(k):
+                if j:
+                    logits, h = self.head(h, drafts[-1].view(1, 1), pos + j - 1, self.cache)
+                    logits = logits[:, -1]
+                if greedy:
+                    drafts.append(logits.argmax(-1))
+                else:  # drafts are sampled from q, the head's distribution after the same processing as p
+                    qs.append(probabilities(logits, req.sampling))
+                    drafts.append(sample(qs[-1], req.generator))
+            return torch.cat(drafts), (torch.cat(qs) if qs else None)
 
 
 class OracleDrafter:
@@ -80,7 +90,8 @@ class OracleDrafter:
     def rollback(self) -> None:
         pass
 
-    def propose(self, seq_tokens: torch.Tensor, k: int, timer) -> torch.Tensor:
+    def propose(self, seq_tokens: torch.Tensor, k: int, timer, req=None):
+        """Deterministic proposals: q is a point mass (None)."""
         with timer.phase("draft"):
             start = seq_tokens.shape[0] - self.prompt_len  # generated tokens so far
             out = []
@@ -90,4 +101,4 @@ class OracleDrafter:
                 if self.rng.random() < self.corruption:
                     tok = (tok + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
                 out.append(tok)
-            return torch.tensor(out, dtype=torch.long, device=seq_tokens.device)
+            return torch.tensor(out, dtype=torch.long, device=seq_tokens.device), None

@@ -19,6 +19,30 @@ from .families import Family, convert_gdn_layout, family_for, fuse_experts, mtp_
 from .kernels import Backends, select_backends
 
 
+class Rotary(torch.nn.Module):
+    """Rotary frequencies from the config (transformers' rope-type initialisers). For text, Qwen3.5's
+    multimodal RoPE has equal positions on every axis, which is exactly this 1-D rotary embedding."""
+
+    def __init__(self, config, device):
+        super().__init__()
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        kind = rope.get("rope_type", "default")
+        if kind == "default":
+            dim = int(config.head_dim * rope.get("partial_rotary_factor", 1.0))
+            base = rope.get("rope_theta", 10000.0)
+            inv_freq, self.scaling = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim), 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[kind](config, device)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype)
+
+
 def _rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -245,9 +269,11 @@ def load(path, device: str | None = None, dtype: str | None = None) -> Loaded:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # tied embeddings
     _check_tensors(root, expected, sd, origin, what="trunk")
     lm.load_state_dict({k: v.to(dt) for k, v in sd.items()}, strict=True, assign=True)
-    # Non-persistent buffers (rotary frequencies) are not in the checkpoint: build them for real.
-    lm.model.rotary_emb = rotary = type(lm.model.rotary_emb)(config=cfg)
+    # Non-persistent buffers (rotary frequencies) are not in the checkpoint: build them for real. The family's
+    # own rotary module stays for transformers' generate() (the bench baseline); the engine uses its own.
+    lm.model.rotary_emb = type(lm.model.rotary_emb)(config=cfg)
     lm.to(dev).eval()
+    rotary = Rotary(cfg, dev)
     kinds = list(cfg.layer_types)
     slots, counters = [], {"linear_attention": 0, "full_attention": 0}
     for kind in kinds:

@@ -8,7 +8,7 @@ from .errors import EngineError
 from .events import Fallback
 from .families import SUPPORTED
 from .kernels import select_backends
-from .model import Loaded, Trunk, default_device_dtype
+from .model import Loaded, Rotary, Trunk, default_device_dtype
 
 PRESETS = {
     # Qwen3.5-27B (dense): 64 layers, 3 GDN : 1 attention
@@ -66,7 +66,8 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
     for k in kinds:
         slots.append(seen[k])
         seen[k] += 1
-    trunk = Trunk(family, cfg, lm, lm.model.rotary_emb, dev, dt, select_backends(dev), kinds, slots)
+    rotary = Rotary(cfg, dev)
+    trunk = Trunk(family, cfg, lm, rotary, dev, dt, select_backends(dev), kinds, slots)
     head.trunk = trunk
     head.eval()
     fallbacks.append(Fallback("weights", f"random weights in the {preset} shape: output text is meaningless"))

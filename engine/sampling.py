@@ -37,3 +37,30 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, params: SamplingParams,
+                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al., Chen et al.): accept draft i with probability min(1, p(d)/q(d));
+    at the first rejection sample from norm(max(0, p - q)); after k acceptances sample the bonus from p.
+
+    p and q are the target's and drafter's distributions after the same temperature / top-k / top-p; q=None
+    means the drafter proposed deterministically (a point mass). The output is distributed exactly as plain
+    sampling. Each cycle draws k uniforms then k + 1 categorical samples from the request's generator, whatever
+    is accepted, so a seed reproduces the text at a given depth. Returns (m [1], token per position [k + 1]).
+    """
+    p = probabilities(logits, params)
+    k = drafts.shape[0]
+    rows = torch.arange(k, device=p.device)
+    p_d = p[rows, drafts]
+    q_d = q[rows, drafts] if q is not None else torch.ones_like(p_d)
+    u = torch.rand(k, generator=generator, device=p.device)
+    m = (u * q_d < p_d).int().cumprod(0).sum().view(1)
+    residual = p.clone()
+    if q is not None:
+        residual[:k] = (p[:k] - q).clamp_min(0)
+    else:
+        residual[rows, drafts] = 0.0
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p)  # p == q: rejection had probability 0
+    return m, sample(residual, generator)

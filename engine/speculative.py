@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .events import DRAFT, TARGET, Cycle
+from . import sampling
 from .sampling import SamplingParams, probabilities, sample
 from .timing import PhaseTimer
 
@@ -68,16 +69,18 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
     k = min(depth, req.max_new - len(req.generated) - 1) if drafter is not None else 0
     seq = req.seq[: req.length]
     try:
-        drafts = drafter.propose(seq, k, timer) if k > 0 else seq[:0]
+        drafts, q = drafter.propose(seq, k, timer, req) if k > 0 else (seq[:0], None)
         with timer.phase("verify"):
             inp = torch.cat([seq[-1:], drafts]).unsqueeze(0)
             caches.kv.reserve(k + 1)
             hidden = trunk.forward(inp, caches.processed, caches, verify=True)
             logits = trunk.logits(hidden[0])
-        with timer.phase("sampling"):
-            targets = pick(logits, req)
         with timer.phase("accept"):
-            m = (targets[:k] == drafts).int().cumprod(0).sum().view(1)
+            if req.sampling.greedy:  # the longest prefix where the target's argmax equals the draft
+                targets = logits.argmax(-1)
+                m = (targets[:k] == drafts).int().cumprod(0).sum().view(1)
+            else:
+                m, targets = sampling.verify_sampled(logits, drafts, q, req.sampling, req.generator)
             host = torch.cat([m, targets, drafts]).tolist()  # the one host sync of the cycle
         m, targets, drafts_h = host[0], host[1 : k + 2], host[k + 2 :]
         out = drafts_h[:m] + [targets[m]]

@@ -82,7 +82,7 @@ def test_mtp_cache_equals_causal_recomputation(name, engines):
         seq = prime(engine, prompt)
         for drafts, m in [([1, 2, 3], 3), ([4, 5, 6], 1), ([7, 8], 0), ([9, 10, 11, 12], 2)]:
             seq = verify_and_commit(engine, seq, [d % vocab for d in drafts], m)
-        incremental = engine.mtp_drafter.propose(seq, 2, PhaseTimer(seq.device))
+        incremental, _ = engine.mtp_drafter.propose(seq, 2, PhaseTimer(seq.device))
         inc = committed_state(engine)
         engine.mtp_drafter.rollback()
 

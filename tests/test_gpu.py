@@ -1,0 +1,33 @@
+"""GPU checks (run through the device tool): FLA kernels selected and exact in float32; speculation lossless."""
+
+import pytest
+import torch
+
+from engine import GenerationSettings, load_engine
+from engine.drafters import OracleDrafter
+from engine.events import Tokens
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def tokens(engine, prompt, depth, drafter=None, n=32):
+    s = GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True)
+    return [t for e in engine.generate(prompt, s, drafter=drafter) if isinstance(e, Tokens) for t in e.token_ids]
+
+
+@pytest.mark.parametrize("name", ["next", "next_moe", "q35", "q35_moe"])
+def test_fla_float32_speculation_equals_plain_and_cpu(name, ckpt):
+    gpu = load_engine(str(ckpt(name)), device="cuda", dtype="float32")
+    cpu = load_engine(str(ckpt(name)), device="cpu", dtype="float32")
+    try:
+        import fla  # noqa: F401
+        assert gpu.trunk.backends.choice["gdn_recurrent"][0] == "fla"
+    except ImportError:
+        pass
+    prompt = gpu.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    plain = tokens(gpu, prompt, 0)
+    assert plain == tokens(cpu, prompt, 0)
+    vocab = gpu.trunk.config.vocab_size
+    for depth in (1, 2, 3, 4):
+        assert tokens(gpu, prompt, depth) == plain
+        assert tokens(gpu, prompt, depth, OracleDrafter(plain, len(prompt), 0.4, vocab, seed=depth)) == plain
