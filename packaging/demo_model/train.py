@@ -174,19 +174,22 @@ def use_torch_gdn_kernels() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # checks that must hold before spending GPU time
 
-def check_causality(lm, vocab: int, device: str) -> float:
-    """Trunk and MTP outputs at positions < k must not depend on tokens >= k."""
+def check_causality(lm, vocab: int, device: str, amp) -> tuple[float, float]:
+    """Trunk and MTP outputs at positions < k must not depend on tokens >= k.
+
+    The trunk runs under `amp` (FLA's GDN kernels take bf16 only), so its check is loose; the MTP part runs in
+    float32 on the same trunk hiddens and must match to float32 precision."""
     lm.eval()
     g = torch.Generator().manual_seed(0)
     x = torch.randint(3, vocab, (1, 48), generator=g).to(device)
     with torch.no_grad():
-        h = lm.model(input_ids=x, use_cache=False).last_hidden_state.float()
+        with amp:
+            h = lm.model(input_ids=x, use_cache=False).last_hidden_state.float()
+            h2 = lm.model(input_ids=x[:, :24], use_cache=False).last_hidden_state.float()
         m = mtp_hidden(lm, x, h).float()
-        h2 = lm.model(input_ids=x[:, :24], use_cache=False).last_hidden_state.float()
-        m2 = mtp_hidden(lm, x[:, :24], h2).float()
-    err = max((h[:, :24] - h2).abs().max().item(), (m[:, :23] - m2).abs().max().item())
+        m2 = mtp_hidden(lm, x[:, :24], h[:, :24]).float()
     lm.train()
-    return err
+    return (h[:, :24] - h2).abs().max().item(), (m[:, :23] - m2).abs().max().item()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -245,7 +248,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--preset", default="demo")
     ap.add_argument("--vocab-size", type=int, default=8192)
-    ap.add_argument("--minutes", type=float, default=7.0, help="training time budget, from process start")
+    ap.add_argument("--minutes", type=float, default=7.2, help="training time budget, from process start")
     ap.add_argument("--max-steps", type=int, default=0)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq", type=int, default=1024)
@@ -284,9 +287,18 @@ def main(argv=None) -> int:
     n_mtp = sum(p.numel() for p in lm.mtp.parameters())
     print(f"params: total {n_params/1e6:.2f}M (mtp {n_mtp/1e6:.2f}M), tied embeddings: "
           f"{lm.lm_head.weight.data_ptr() == lm.model.embed_tokens.weight.data_ptr()}", flush=True)
-    err = check_causality(lm, args.vocab_size, dev)
-    print(f"causality check: max |diff| {err:.2e}", flush=True)
-    if err > 1e-3:
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev == "cuda" else torch.autocast("cpu", enabled=False)
+    fell_back = False
+    try:
+        e_trunk, e_mtp = check_causality(lm, args.vocab_size, dev, amp)
+    except Exception:
+        traceback.print_exc()
+        print("trunk forward failed: falling back to transformers' torch GDN kernels", flush=True)
+        use_torch_gdn_kernels()
+        fell_back = True
+        e_trunk, e_mtp = check_causality(lm, args.vocab_size, dev, amp)
+    print(f"causality check: trunk max |diff| {e_trunk:.2e}, mtp max |diff| {e_mtp:.2e}", flush=True)
+    if e_mtp > 1e-3 or e_trunk > (1e-3 if dev == "cpu" else 0.25):
         print("causality check failed", file=sys.stderr)
         return 2
 
@@ -300,7 +312,6 @@ def main(argv=None) -> int:
         (decay if p.ndim == 2 else no_decay).append(p)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=(dev == "cuda"))
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev == "cuda" else torch.autocast("cpu", enabled=False)
     gen = torch.Generator().manual_seed(args.seed)
 
     def evaluate():
@@ -332,7 +343,6 @@ def main(argv=None) -> int:
     last_eval = 0.0
     acc_main = acc_mtp = 0.0
     acc_n = 0
-    fell_back = False
     status = "ok"
     try:
         while True:
@@ -368,17 +378,17 @@ def main(argv=None) -> int:
             opt.zero_grad(set_to_none=True)
             step += 1
             tokens_seen += x.numel() - x.shape[0]
-            acc_main += l_main.item() if step % 10 == 0 else 0.0
-            acc_mtp += l_mtp.item() if step % 10 == 0 else 0.0
-            acc_n += 1 if step % 10 == 0 else 0
+            acc_main = acc_main + l_main.detach()
+            acc_mtp = acc_mtp + l_mtp.detach()
+            acc_n += 1
             if step == 1:
                 print(f"first step done at {time.time() - t_start:.1f}s: loss {l_main.item():.3f} mtp {l_mtp.item():.3f}", flush=True)
             el = time.time() - t_loop
             if el - last_eval >= args.eval_every_s or step == 20:
-                last_eval = el
                 ev = evaluate()
+                last_eval = time.time() - t_loop
                 row = {"step": step, "elapsed_s": round(time.time() - t_start, 1), "tokens": tokens_seen, "lr": f"{lr:.3e}",
-                       "train_loss": f"{acc_main / max(1, acc_n):.4f}", "train_mtp_loss": f"{acc_mtp / max(1, acc_n):.4f}",
+                       "train_loss": f"{float(acc_main) / max(1, acc_n):.4f}", "train_mtp_loss": f"{float(acc_mtp) / max(1, acc_n):.4f}",
                        **{k: f"{v:.4f}" for k, v in ev.items()}}
                 acc_main = acc_mtp = 0.0
                 acc_n = 0
@@ -398,7 +408,7 @@ def main(argv=None) -> int:
         ev = evaluate() if status == "ok" else {}
         if ev:
             row = {"step": step, "elapsed_s": round(time.time() - t_start, 1), "tokens": tokens_seen, "lr": "0",
-                   "train_loss": f"{acc_main / max(1, acc_n):.4f}" if acc_n else "", "train_mtp_loss": f"{acc_mtp / max(1, acc_n):.4f}" if acc_n else "",
+                   "train_loss": f"{float(acc_main) / acc_n:.4f}" if acc_n else "", "train_mtp_loss": f"{float(acc_mtp) / acc_n:.4f}" if acc_n else "",
                    **{k: f"{v:.4f}" for k, v in ev.items()}}
             rows.append(row)
             wcsv.writerow(row)
