@@ -121,6 +121,11 @@ class Trunk:
     backends: Backends
     kinds: list[str] = field(default_factory=list)  # per layer: "linear_attention" | "full_attention"
     slots: list[int] = field(default_factory=list)  # index of each layer in its cache (GDN or KV)
+    group: object | None = None  # tensor parallelism: an object with all_reduce(x) and gather_vocab(x) (tp.py)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum partial outputs of row-parallel projections across ranks (identity on one device)."""
+        return x if self.group is None else self.group.all_reduce(x)
 
     @property
     def embed(self):
@@ -131,7 +136,8 @@ class Trunk:
         return self.lm.model.layers
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm.lm_head(hidden).float()
+        out = self.lm.lm_head(hidden).float()
+        return out if self.group is None else self.group.gather_vocab(out)
 
     def new_caches(self) -> "TrunkCaches":
         c = self.config
@@ -171,8 +177,8 @@ class Trunk:
                     x = gdn.prefill(layer.linear_attn, x, slot, caches.gdn, self.backends)
             else:
                 x = attention(layer.self_attn, x, pos, cos, sin, caches.kv, slot)
-            h = h + x
-            h = h + mlp(layer, h)
+            h = h + self.reduce(x)
+            h = h + self.reduce(mlp(layer, h))
         if stash is not None:
             stash.width = T
         return self.lm.model.norm(h)
