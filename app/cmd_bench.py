@@ -22,7 +22,7 @@ HBM_PEAK = {"H200": 4.8e12, "H100": 3.35e12}
 
 
 def add_parser(sub) -> None:
-    from .cli import add_model_args
+    from .cli import add_model_args, add_tp_arg
 
     p = sub.add_parser("bench", help="measure decoding speed: plain vs speculative vs transformers")
     add_model_args(p)
@@ -36,8 +36,10 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", default="Write a short story about a lighthouse keeper.")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
+    p.add_argument("--no-graphs", action="store_true", help="eager verify steps only (no CUDA graphs)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the JSON result to this file")
+    add_tp_arg(p)
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -106,6 +108,39 @@ def hf_generate(engine: Engine, prompt, n: int, repeat: int) -> float | None:
 
 
 def run(args) -> int:
+    from engine.tp import launch, under_torchrun
+
+    _check_args(args)
+    tp = getattr(args, "tp", 1)
+    if tp > 1 or under_torchrun():  # N ranks run the same measurements; rank 0 reports
+        return launch(_bench_rank, args, tp, args.device)
+    return _bench(args)
+
+
+def _bench_rank(args, group) -> int:
+    """One rank of `bench --tp N`: its shard of the model (real or random weights), the same rows as rank 0.
+    Eager verify steps: CUDA graphs are off under tensor parallelism (see engine.api.load_engine)."""
+    from engine import tp
+
+    if args.random_weights:
+        engine = Engine(tp.random_model(args.random_weights, args.layers, group, args.dtype), None, set(),
+                        cuda_graphs=False)
+    else:
+        engine = load_engine(args.model, None, args.dtype, tp=group)
+    return _bench(args, engine, group)
+
+
+def _check_args(args) -> None:
+    _ints(args.depths, "--depths")
+    _floats(args.acceptance, "--acceptance")
+    drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
+    if any(d not in ("mtp", "oracle") for d in drafters):
+        raise EngineError(f"--drafter {args.drafter!r}: expected mtp, oracle or both")
+    if args.max_new_tokens < 2 or args.repeat < 1:
+        raise EngineError("--max-new-tokens must be >= 2 and --repeat >= 1")
+
+
+def _bench(args, engine: Engine | None = None, group=None) -> int:
     from engine.presets import random_model, weight_bytes_per_token
 
     depths = _ints(args.depths, "--depths")
@@ -116,30 +151,42 @@ def run(args) -> int:
     if args.max_new_tokens < 2 or args.repeat < 1:
         raise EngineError("--max-new-tokens must be >= 2 and --repeat >= 1")
     if args.random_weights:
-        engine = Engine(random_model(args.random_weights, args.layers, args.device, args.dtype), None, set())
+        if engine is None:
+            engine = Engine(random_model(args.random_weights, args.layers, args.device, args.dtype), None, set(),
+                            cuda_graphs=False if args.no_graphs else None)
         prompt = list(range(1, 33))
     else:
-        engine = load_engine(args.model, args.device, args.dtype)
+        if engine is None:
+            engine = load_engine(args.model, args.device, args.dtype,
+                                 cuda_graphs=False if args.no_graphs else None)
         prompt = engine.encode_chat([{"role": "user", "content": args.prompt}])
     n, trunk = args.max_new_tokens, engine.trunk
     vocab = trunk.config.vocab_size
 
+    mode = "graphs" if engine.graph_runner else "eager"
+    rows = []
+    if engine.graph_runner:  # the same plain decode without graph replay: what the graphs buy
+        trunk.graphs = None
+        rows.append({"depth": 0, "drafter": "none", "mode": "eager", **measure(engine, prompt, 0, n, args.repeat)})
+        trunk.graphs = engine.graph_runner
     plain = measure(engine, prompt, 0, n, args.repeat)
     reference = plain["tokens"]
-    rows = [{"depth": 0, "drafter": "none", **plain}]
+    rows.append({"depth": 0, "drafter": "none", "mode": mode, **plain})
     for depth in [d for d in depths if d > 0]:
         if "mtp" in drafters and engine.mtp_drafter is not None:
-            rows.append({"depth": depth, "drafter": "mtp", **measure(engine, prompt, depth, n, args.repeat)})
+            rows.append({"depth": depth, "drafter": "mtp", "mode": mode,
+                         **measure(engine, prompt, depth, n, args.repeat)})
         if "oracle" in drafters:
             for rate in rates:
                 make = lambda: OracleDrafter(reference, len(prompt), 1.0 - rate, vocab, seed=depth)  # noqa: E731
                 row = measure(engine, prompt, depth, n, args.repeat, make)
-                rows.append({"depth": depth, "drafter": f"oracle@{rate:g}", **row})
+                rows.append({"depth": depth, "drafter": f"oracle@{rate:g}", "mode": mode, **row})
     for r in rows:
         r["identical_to_plain"] = r.pop("tokens") == reference
         r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
 
-    hf = None if args.no_hf else hf_generate(engine, prompt, n, args.repeat)
+    # transformers' generate() cannot run one shard of a tensor-parallel model: no baseline under --tp
+    hf = None if args.no_hf or group is not None else hf_generate(engine, prompt, n, args.repeat)
     wbytes = weight_bytes_per_token(trunk)
     gpu = torch.cuda.get_device_name(trunk.device) if trunk.device.type == "cuda" else None
     peak = next((v for k, v in HBM_PEAK.items() if gpu and k in gpu), None)
@@ -155,11 +202,16 @@ def run(args) -> int:
         "hbm_peak_bytes_per_s": peak,
         "plain_fraction_of_hbm_peak": bw / peak if peak else None,
         "backends": {op: b for op, (b, _) in trunk.backends.choice.items()},
+        "cuda_graphs": engine.graph_runner.report() if engine.graph_runner else None,
         "command": "mtpchat " + " ".join(sys.argv[1:]),
     }
     from engine.diagnostics import versions
 
     result["versions"] = versions()
+    if group is not None:  # params, weight bytes and bandwidth above are per rank (rank 0's shard)
+        result["tensor_parallel"] = {**group.describe(), "shard": group.plan.describe()}
+        if group.rank != 0:
+            return 0
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
@@ -173,12 +225,12 @@ def run(args) -> int:
 def format_table(res: dict) -> str:
     lines = [f"model {res['model']}  device {res['device']} {res['gpu'] or ''}  dtype {res['dtype']}  "
              f"{res['max_new_tokens']} tokens x {res['repeat']}",
-             f"{'depth':>5} {'drafter':<12} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'mean len':>8} "
+             f"{'depth':>5} {'drafter':<12} {'mode':<6} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'mean len':>8} "
              f"{'same':>5}  per-position acceptance / ms per cycle"]
     for r in res["results"]:
         pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
         ph = " ".join(f"{k}={v:.2f}" for k, v in sorted(r["phase_ms"].items()))
-        lines.append(f"{r['depth']:>5} {r['drafter']:<12} {r['tokens_per_s']:>9.1f} {r['speedup'] or 0:>7.2f}x "
+        lines.append(f"{r['depth']:>5} {r['drafter']:<12} {r.get('mode', ''):<6} {r['tokens_per_s']:>9.1f} {r['speedup'] or 0:>7.2f}x "
                      f"{r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f} "
                      f"{'yes' if r['identical_to_plain'] else 'NO':>5}  [{pos}] {ph}")
     if res["hf_generate_tokens_per_s"]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -97,12 +98,19 @@ class IncrementalDecoder:
 
 
 class Engine:
-    def __init__(self, loaded: Loaded, tokenizer=None, stop_ids: set[int] = frozenset()):
+    def __init__(self, loaded: Loaded, tokenizer=None, stop_ids: set[int] = frozenset(), cuda_graphs: bool | None = None):
         self.loaded, self.tokenizer, self.stop_ids = loaded, tokenizer, frozenset(stop_ids)
         self.trunk = loaded.trunk
         self.caches = self.trunk.new_caches()
         self.mtp_drafter = MTPDrafter(loaded.mtp) if loaded.mtp is not None else None
         self.turns = TurnCache()
+        self.graph_runner = None
+        if cuda_graphs is None:
+            cuda_graphs = self.trunk.device.type == "cuda" and os.environ.get("MTPCHAT_CUDA_GRAPHS", "1") != "0"
+        if cuda_graphs:
+            from .graphs import GraphRunner
+
+            self.graph_runner = self.trunk.graphs = GraphRunner(self.trunk)
         t = self.trunk
         self.info = ModelInfo(loaded.name, loaded.path, t.family.name, loaded.raw_config.get("model_type", ""),
                               loaded.mtp_layers, loaded.params, str(t.device), str(t.dtype).replace("torch.", ""))
@@ -128,6 +136,8 @@ class Engine:
 
     def fallbacks(self, settings: GenerationSettings, drafter) -> list[Fallback]:
         out = [f for f in self.loaded.fallbacks if f.feature != "speculation"]
+        if self.graph_runner is not None and self.graph_runner.failure:
+            out.append(Fallback("cuda_graphs", self.graph_runner.failure))
         if settings.depth > 0 or drafter is not None:
             if drafter is None and self.mtp_drafter is None:
                 out += [f for f in self.loaded.fallbacks if f.feature == "speculation"]
@@ -151,6 +161,9 @@ class Engine:
         gen = None
         if settings.seed is not None:
             gen = torch.Generator(device=dev).manual_seed(settings.seed)
+        elif self.trunk.group is not None and settings.temperature > 0:
+            # tensor parallelism: every rank must draw the same samples from the same (gathered) logits
+            gen = torch.Generator(device=dev).manual_seed(self.trunk.group.shared_seed())
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
         req = Request(seq=torch.empty(len(prompt_ids) + settings.max_new_tokens + 8, dtype=torch.long, device=dev),
                       length=0, prompt_len=len(prompt_ids), max_new=settings.max_new_tokens,
@@ -176,6 +189,8 @@ class Engine:
                         drafter.reset()
                     turns.reset()
                 turns.drafter = drafter
+                if self.trunk.graphs is not None:  # one reservation for the request: no re-capture mid-reply
+                    self.caches.kv.reserve(len(prompt_ids) - self.caches.processed + settings.max_new_tokens + 16)
                 if start < len(prompt_ids):
                     logits = prefill(self.trunk, self.caches, drafter, ids[start:], settings.prefill_chunk, timer)
                     turns.history = list(prompt_ids)
@@ -279,13 +294,19 @@ def load_tokenizer(root: Path):
         raise EngineError(f"{root}: tokenizer does not load ({str(e)[:200]})") from None
 
 
-def load_engine(path: str | None = None, device: str | None = None, dtype: str | None = None) -> Engine:
+def load_engine(path: str | None = None, device: str | None = None, dtype: str | None = None,
+                cuda_graphs: bool | None = None, tp=None) -> Engine:
+    """tp: a tp.TPGroup: this process is one rank of a tensor-parallel group and loads only its shard."""
     if path is None:
         path = default_model_path()
-    loaded = load(path, device, dtype)
+    loaded = load(path, device, dtype, tp=tp)
+    if tp is not None and cuda_graphs is None:
+        # NCCL collectives inside captured graphs are not validated here, and a capture that failed on one rank
+        # only would leave the ranks running different code: eager under tensor parallelism.
+        cuda_graphs = False
     root = Path(loaded.path)
     tok = load_tokenizer(root)
-    return Engine(loaded, tok, stop_ids_for(root, tok, loaded.raw_config))
+    return Engine(loaded, tok, stop_ids_for(root, tok, loaded.raw_config), cuda_graphs)
 
 
 def default_model_path() -> str:

@@ -18,8 +18,8 @@ class KVCache:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, chunk: int = RESERVE_CHUNK):
         self.shape = (layers, kv_heads, 0, head_dim)
         self.dtype, self.device, self.chunk = dtype, device, chunk
-        self.k = torch.empty(self.shape, dtype=dtype, device=device)
-        self.v = torch.empty(self.shape, dtype=dtype, device=device)
+        self.k = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.v = torch.zeros(self.shape, dtype=dtype, device=device)
         self.length = 0
 
     @property
@@ -33,8 +33,9 @@ class KVCache:
             return
         cap = -(-need // self.chunk) * self.chunk
         L, H, _, D = self.shape
-        k = torch.empty((L, H, cap, D), dtype=self.dtype, device=self.device)
-        v = torch.empty_like(k)
+        # zeros, not empty: graph-mode attention reads the whole capacity under a mask, and 0 * NaN is NaN
+        k = torch.zeros((L, H, cap, D), dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
         k[:, :, : self.length] = self.k[:, :, : self.length]
         v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = k, v
@@ -45,6 +46,15 @@ class KVCache:
         self.k[layer, :, pos : pos + T] = k[0]
         self.v[layer, :, pos : pos + T] = v[0]
         return self.k[layer, :, : pos + T].unsqueeze(0), self.v[layer, :, : pos + T].unsqueeze(0)
+
+    def write_at(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Graph-safe write at a device-side position; returns the whole capacity and the causal mask."""
+        T = k.shape[2]
+        positions = pos + torch.arange(T, device=k.device)
+        self.k[layer].index_copy_(1, positions, k[0])
+        self.v[layer].index_copy_(1, positions, v[0])
+        mask = torch.arange(self.capacity, device=k.device)[None, :] <= positions[:, None]
+        return self.k[layer].unsqueeze(0), self.v[layer].unsqueeze(0), mask
 
     def trim(self, length: int) -> None:
         self.length = length

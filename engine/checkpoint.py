@@ -50,6 +50,8 @@ class TensorFiles:
     file_of: dict[str, str] = field(default_factory=dict)
     shape_of: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtype_of: dict[str, str] = field(default_factory=dict)
+    # tensor parallelism: (name, full shape) -> tp.Selection of the rows / columns to read, or None for all of it
+    slicer: object | None = None
 
     @classmethod
     def open(cls, root: Path) -> "TensorFiles":
@@ -98,7 +100,11 @@ class TensorFiles:
                 with safe_open(path, framework="pt", device=device) as f:
                     for k in keys:
                         current = k
-                        out[k] = f.get_tensor(k)
+                        sel = self.slicer(k, self.shape_of[k]) if self.slicer is not None else None
+                        if sel is None:
+                            out[k] = f.get_tensor(k)
+                        else:  # only this rank's slice is read
+                            out[k] = sel.read(f.get_slice(k), self.shape_of[k]).to(device)
             except Exception as e:
                 raise EngineError(f"{path}: tensor {current!r} cannot be read ({_short(e)})") from None
         return out

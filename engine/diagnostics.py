@@ -44,6 +44,8 @@ def snapshot(engine) -> dict:
         "dtype": engine.info.dtype,
         "backends": {op: {"backend": b, "reason": why} for op, (b, why) in t.backends.choice.items()},
         "versions": versions(),
-        "compile": {"mode": "eager", "cuda_graphs": "not captured (eager decode)"},
+        "compile": {"mode": "eager kernels" + (", CUDA graphs for verify steps" if engine.graph_runner else ""),
+                    "cuda_graphs": engine.graph_runner.report() if engine.graph_runner else
+                    {"enabled": False, "reason": "needs CUDA" if t.device.type != "cuda" else "disabled"}},
         "fallbacks": [{"feature": f.feature, "reason": f.reason} for f in engine.loaded.fallbacks],
     }

@@ -58,7 +58,7 @@ def apply_rope(q, k, cos, sin):
     return q, k
 
 
-def attention(attn, x, pos: int, cos, sin, kv: KVCache, slot: int) -> torch.Tensor:
+def attention(attn, x, pos, cos, sin, kv: KVCache, slot: int) -> torch.Tensor:
     """Gated full attention (Qwen3-Next / 3.5): q_proj yields the query and a sigmoid output gate."""
     B, T, _ = x.shape
     hd = attn.head_dim
@@ -67,10 +67,13 @@ def attention(attn, x, pos: int, cos, sin, kv: KVCache, slot: int) -> torch.Tens
     k = attn.k_norm(attn.k_proj(x).view(B, T, -1, hd)).transpose(1, 2)
     v = attn.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
     q, k = apply_rope(q, k, cos, sin)
-    keys, values = kv.write(slot, pos, k, v)
-    mask = None
-    if T > 1:  # query i sees keys 0..pos+i (bottom-right aligned causal mask)
-        mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(pos)
+    if isinstance(pos, int):
+        keys, values = kv.write(slot, pos, k, v)
+        mask = None
+        if T > 1:  # query i sees keys 0..pos+i (bottom-right aligned causal mask)
+            mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(pos)
+    else:  # CUDA-graph capture: the position lives on the device, shapes are the cache's whole capacity
+        keys, values, mask = kv.write_at(slot, pos, k, v)
     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
     o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
     return attn.o_proj(o)
@@ -122,6 +125,7 @@ class Trunk:
     kinds: list[str] = field(default_factory=list)  # per layer: "linear_attention" | "full_attention"
     slots: list[int] = field(default_factory=list)  # index of each layer in its cache (GDN or KV)
     group: object | None = None  # tensor parallelism: an object with all_reduce(x) and gather_vocab(x) (tp.py)
+    graphs: object | None = None  # graphs.GraphRunner: verify steps replayed as CUDA graphs
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum partial outputs of row-parallel projections across ranks (identity on one device)."""
@@ -155,8 +159,10 @@ class Trunk:
             n_gdn=n_gdn,
         )
 
-    def position_embeddings(self, x, pos: int, T: int):
-        ids = torch.arange(pos, pos + T, device=self.device).unsqueeze(0)
+    def position_embeddings(self, x, pos, T: int):
+        # arange(T) + pos, not arange(pos, pos + T): pos may be a device tensor (graph capture), and reading it
+        # on the host would sync and invalidate the capture
+        ids = (torch.arange(T, device=self.device) + pos).unsqueeze(0)
         return self.rotary(x, ids)
 
     def forward(self, tokens: torch.Tensor, pos: int, caches: "TrunkCaches", verify: bool) -> torch.Tensor:
@@ -165,6 +171,8 @@ class Trunk:
         verify=False (prefill) writes the GDN state; verify=True stashes for commit(m) and leaves it alone.
         """
         T = tokens.shape[1]
+        if verify and self.graphs is not None and isinstance(pos, int):
+            return self.graphs.run(tokens, pos, caches)
         h = self.embed(tokens)
         cos, sin = self.position_embeddings(h, pos, T)
         stash = caches.stash_for(T, self) if verify else None
@@ -250,10 +258,13 @@ def default_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
     return torch.device(device), table[dtype], fallbacks
 
 
-def load(path, device: str | None = None, dtype: str | None = None) -> Loaded:
+def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> Loaded:
+    """tp: a tp.TPGroup: load only this rank's shard (see tp.py); None: the whole model on one device."""
     from .mtp import MTPHead
 
     root = model_dir(path)
+    if tp is not None:
+        device = str(tp.device)
     dev, dt, fallbacks = default_device_dtype(device, dtype)
     raw = read_json(root / "config.json", "config.json")
     family = family_for(raw, str(root / "config.json"))
@@ -262,9 +273,19 @@ def load(path, device: str | None = None, dtype: str | None = None) -> Loaded:
     except Exception as e:
         raise EngineError(f"{root / 'config.json'}: invalid {family.name} config ({str(e)[:200]})") from None
     files = TensorFiles.open(root)
+    plan = None
+    if tp is not None:  # modules from the rank's local config; only the rank's slices are read
+        from .tp import ShardPlan
+
+        plan = tp.plan = ShardPlan(cfg, tp.rank, tp.world, where=str(root / "config.json"))
+        files.slicer = plan.selection
+        cfg = plan.local_config
+        tp.vocab_size = cfg.vocab_size
 
     with torch.device("meta"):
         lm = family.causal_lm_class()(cfg)
+    if plan is not None:
+        plan.adapt(lm)  # lm_head: this rank's vocab rows
     expected = lm.state_dict()
     names = [k for k in files.keys() if family.trunk_key(k) is not None]
     tensors = files.load(names, device="cpu" if dev.type == "cpu" else str(dev))
@@ -272,7 +293,8 @@ def load(path, device: str | None = None, dtype: str | None = None) -> Loaded:
     origin = {family.trunk_key(k): files.file_of[k] for k in names}
     sd = convert_gdn_layout(fuse_experts(sd), set(expected), cfg)
     if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:
-        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]  # tied embeddings
+        emb = sd["model.embed_tokens.weight"]  # tied embeddings
+        sd["lm_head.weight"] = emb if plan is None else plan.vocab_rows(emb)
     _check_tensors(root, expected, sd, origin, what="trunk")
     lm.load_state_dict({k: v.to(dt) for k, v in sd.items()}, strict=True, assign=True)
     # Non-persistent buffers (rotary frequencies) are not in the checkpoint: build them for real. The family's
@@ -291,7 +313,7 @@ def load(path, device: str | None = None, dtype: str | None = None) -> Loaded:
     for op, (name, why) in backends.choice.items():
         if name == "torch" and op.startswith("gdn") and dev.type == "cuda":
             fallbacks.append(Fallback("fla", f"{op}: {why}"))
-    trunk = Trunk(family, cfg, lm, rotary, dev, dt, backends, kinds, slots)
+    trunk = Trunk(family, cfg, lm, rotary, dev, dt, backends, kinds, slots, group=tp)
 
     mtp_keys = [k for k in files.keys() if k.startswith("mtp.")]
     declared = mtp_layers_declared(raw)

@@ -31,3 +31,21 @@ def test_fla_float32_speculation_equals_plain_and_cpu(name, ckpt):
     for depth in (1, 2, 3, 4):
         assert tokens(gpu, prompt, depth) == plain
         assert tokens(gpu, prompt, depth, OracleDrafter(plain, len(prompt), 0.4, vocab, seed=depth)) == plain
+
+
+@pytest.mark.parametrize("name", ["next", "q35_moe"])
+def test_cuda_graphs_certified_and_lossless(name, ckpt):
+    eager = load_engine(str(ckpt(name)), device="cuda", dtype="float32", cuda_graphs=False)
+    graphs = load_engine(str(ckpt(name)), device="cuda", dtype="float32", cuda_graphs=True)
+    prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    plain = tokens(eager, prompt, 0)
+    vocab = graphs.trunk.config.vocab_size
+    for depth in (0, 1, 3):
+        assert tokens(graphs, prompt, depth) == plain
+        assert tokens(graphs, prompt, depth, OracleDrafter(plain, len(prompt), 0.4, vocab, seed=depth)) == plain
+    report = graphs.diagnostics()["compile"]["cuda_graphs"]
+    assert report["failure"] is None and set(report["captured_widths"]) >= {1, 2, 4}
+    assert all(int(n) > 5 for n in report["replays"].values())
+    captures = report["captures"]
+    tokens(graphs, prompt, 3)  # a further request re-uses the captured graphs: no re-capture
+    assert graphs.diagnostics()["compile"]["cuda_graphs"]["captures"] == captures

@@ -1,0 +1,577 @@
+"""Tensor parallelism over torch.distributed: the process group, the shard plan, sharded loading, and launch.
+
+Every rank builds the family's transformers modules from a *local* config (its share of the attention heads, KV
+heads, GDN key / value heads and MLP / expert intermediate dims), so the engine's forward, its KV cache and its
+GDN state are the same code on one device and on N, and automatically hold only the rank's heads. The engine calls
+`trunk.reduce(x)` after every mixer and every MLP (the row-parallel projections o_proj / out_proj / down_proj
+leave partial sums) and `trunk.logits()` gathers the vocab-parallel lm_head's slices:
+
+    attention   q_proj / k_proj / v_proj column-parallel by heads (q rows are [query | gate] per head), q/k norms
+                replicated, o_proj row-parallel -> 1 all-reduce. KV heads that N does not divide are replicated
+                (each rank keeps the one KV head its query heads read).
+    GDN         in_proj rows of the rank's key-head groups (Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba:
+                contiguous groups; Qwen3.5's [q | k | v] in_proj_qkv: a range per section; in_proj_z / b / a by value
+                head), conv1d channels [q | k | v] likewise, A_log / dt_bias by value head, the gated norm is per
+                head (replicated weight), recurrent state and conv window local, out_proj row-parallel
+                -> 1 all-reduce. Key heads that N does not divide are replicated (one key head per rank).
+    dense MLP   gate / up column-parallel, down row-parallel -> 1 all-reduce.
+    MoE         every expert's intermediate dim sharded (fused gate_up_proj: both halves; per-expert tensors), router
+                and shared_expert_gate replicated (routing computed identically on every rank, on the device),
+                shared expert sharded like a dense MLP -> 1 all-reduce for routed + shared together.
+    lm_head     vocab-parallel (ceil(V / N) rows per rank, the last padded); logits all_gather'ed, so argmax and
+                sampling see identical full logits on every rank.
+    embedding   replicated (full), as are the final norm and the MTP's fc and norms.
+    MTP head    its attention and MLP / MoE sharded exactly like the trunk's; it reuses the trunk's hooks.
+
+Speculation needs no extra collective: all ranks run the same cycle on identical gathered logits, so greedy
+acceptance is identical, and sampled decoding uses a generator seeded identically on every rank (a seed chosen by
+rank 0 and broadcast when the request has none). Commit, replay and refresh are local to each shard.
+
+Only each rank's slice of every tensor is read from safetensors (`get_slice(name)[a:b]`); the full embedding is
+the one tensor every rank holds whole.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import EngineError
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("MTPCHAT_TP_TIMEOUT", "300"))  # a hung peer fails a collective after this
+GRACE_S = 5.0  # after one rank fails, how long the others get to notice before they are terminated
+
+
+class TPError(EngineError):
+    """The tensor-parallel group went down (a worker died or a collective failed)."""
+
+
+# --- the process group --------------------------------------------------------------------------------------
+
+
+class TPGroup:
+    """The engine's view of a tensor-parallel group: all_reduce for row-parallel outputs, gather_vocab for the
+    vocab-parallel lm_head. `pg` is a torch.distributed process group (None = the default, whole world)."""
+
+    def __init__(self, rank: int, world: int, pg=None, device: torch.device | str = "cpu"):
+        self.rank, self.world, self.pg = rank, world, pg
+        self.device = torch.device(device)
+        self.vocab_size: int | None = None  # set by the loader: gathered logits are cut back to it
+        self.plan: ShardPlan | None = None  # what this rank holds (set by the loader)
+        self.src = dist.get_global_rank(pg, 0) if pg is not None else 0  # global rank of this group's rank 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        dist.all_reduce(x, group=self.pg)
+        return x
+
+    def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., V/N] slices of every rank -> [..., V] full logits (identical on every rank)."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x, group=self.pg)
+        full = torch.cat(parts, dim=-1)
+        return full if self.vocab_size is None else full[..., : self.vocab_size]
+
+    def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
+        """Overwrite t with rank 0's t (in place)."""
+        dist.broadcast(t, src=self.src, group=self.pg)
+        return t
+
+    def shared_seed(self) -> int:
+        """One random seed, drawn by rank 0, the same on every rank."""
+        t = torch.tensor([random.getrandbits(62) if self.rank == 0 else 0], dtype=torch.long, device=self.device)
+        return int(self.broadcast_(t).item())
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.pg)
+
+    def describe(self) -> dict:
+        backend = dist.get_backend(self.pg) if dist.is_initialized() else None
+        return {"world": self.world, "rank": self.rank, "backend": backend, "device": str(self.device)}
+
+
+# --- the shard plan -----------------------------------------------------------------------------------------
+
+
+def _part(n: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank's contiguous share of n, balanced (sizes differ by at most one)."""
+    q, r = divmod(n, world)
+    start = rank * q + min(rank, r)
+    return start, start + q + (1 if rank < r else 0)
+
+
+@dataclass
+class Selection:
+    """Which part of a checkpoint tensor a rank reads: ranges along one dim, concatenated, zero-padded to `size`
+    along that dim; `zero` = a row-parallel bias that only rank 0 adds (nothing is read)."""
+
+    dim: int
+    ranges: list[tuple[int, int]]
+    size: int | None = None
+    zero: bool = False
+
+    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        if self.zero:
+            return tuple(full)
+        n = self.size if self.size is not None else sum(b - a for a, b in self.ranges)
+        return tuple(full[: self.dim]) + (n,) + tuple(full[self.dim + 1 :])
+
+    def read(self, sl, full: tuple[int, ...], dtype=None) -> torch.Tensor:
+        """Read the selection from a safetensors slice (only these bytes are read)."""
+        if self.zero:
+            return torch.zeros(full, dtype=dtype or torch.float32)
+        lead = (slice(None),) * self.dim
+        parts = [sl[lead + (slice(a, b),)] for a, b in self.ranges if b > a]
+        t = torch.cat(parts, dim=self.dim) if len(parts) != 1 else parts[0]
+        n = t.shape[self.dim]
+        if self.size is not None and n < self.size:
+            pad = list(t.shape)
+            pad[self.dim] = self.size - n
+            t = torch.cat([t, t.new_zeros(pad)], dim=self.dim)
+        return t
+
+
+def _merge(ranges):
+    out = []
+    for a, b in ranges:
+        if b <= a:
+            continue
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+_PER_EXPERT = re.compile(r"^experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class ShardPlan:
+    """What rank `rank` of `world` holds of a model with (full) text config `cfg`."""
+
+    def __init__(self, cfg, rank: int, world: int, where: str = "config.json"):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        W, R = world, rank
+
+        def need(cond, msg):
+            if not cond:
+                raise EngineError(f"{where}: --tp {W}: {msg}")
+
+        # full attention: query heads split evenly; KV heads split, or replicated when N > KV heads
+        nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.hd = cfg.head_dim
+        need(nh % W == 0, f"{nh} attention heads are not divisible by {W}")
+        self.heads = (R * nh // W, (R + 1) * nh // W)
+        if nkv % W == 0:
+            self.kv_heads = (R * nkv // W, (R + 1) * nkv // W)
+        else:
+            need(W % nkv == 0, f"{nkv} KV heads: {W} is neither a divisor nor a multiple of them "
+                               f"(KV heads are split or replicated)")
+            kv = R // (W // nkv)
+            self.kv_heads = (kv, kv + 1)
+        group = nh // nkv  # query heads per KV head
+        need(self.heads[0] // group >= self.kv_heads[0] and (self.heads[1] - 1) // group < self.kv_heads[1],
+             "the rank's query heads do not share its KV heads")
+        self.kv_replicated = nkv % W != 0
+
+        # GDN: value heads split evenly; key heads split, or replicated (one per rank) when N > key heads
+        self.gdn = hasattr(cfg, "linear_num_key_heads") and "linear_attention" in (cfg.layer_types or [])
+        if self.gdn:
+            nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+            self.dk, self.dv, self.nk, self.nv = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nk, nv
+            need(nv % nk == 0, f"{nv} GDN value heads are not a multiple of {nk} key heads")
+            need(nv % W == 0, f"{nv} GDN value heads are not divisible by {W}")
+            self.r = nv // nk
+            self.v_heads = (R * nv // W, (R + 1) * nv // W)
+            if nk % W == 0:
+                self.k_heads = (R * nk // W, (R + 1) * nk // W)
+            else:
+                need(W % nk == 0, f"{nk} GDN key heads: {W} is neither a divisor nor a multiple of them")
+                k = self.v_heads[0] // self.r
+                self.k_heads = (k, k + 1)
+            need(self.v_heads[0] // self.r == self.k_heads[0] and (self.v_heads[1] - 1) // self.r == self.k_heads[1] - 1,
+                 "the rank's GDN value heads do not share its key heads")
+
+        # MLP intermediate dims (balanced; uneven splits are fine: every rank builds its own modules)
+        self.inter = {}
+        for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            n = getattr(cfg, name, None)
+            if isinstance(n, int) and n > 0:
+                need(n >= W, f"{name}={n} is smaller than {W}")
+                self.inter[name] = (n, _part(n, W, R))
+
+        self.vocab = cfg.vocab_size
+        self.vrows = -(-self.vocab // W)  # rows per rank (the last rank's are zero-padded)
+        self.vrange = (min(R * self.vrows, self.vocab), min((R + 1) * self.vrows, self.vocab))
+        self.local_config = self._local_config()
+
+    def _local_config(self):
+        c = copy.deepcopy(self.cfg)
+        c.head_dim = self.cfg.head_dim
+        c.num_attention_heads = self.heads[1] - self.heads[0]
+        c.num_key_value_heads = self.kv_heads[1] - self.kv_heads[0]
+        if self.gdn:
+            c.linear_num_key_heads = self.k_heads[1] - self.k_heads[0]
+            c.linear_num_value_heads = self.v_heads[1] - self.v_heads[0]
+        for name, (_, (a, b)) in self.inter.items():
+            setattr(c, name, b - a)
+        return c  # vocab_size stays full: the embedding is replicated; lm_head is replaced by adapt()
+
+    def adapt(self, lm: torch.nn.Module) -> None:
+        """Replace the (meta) lm_head by this rank's vocab slice."""
+        old = lm.lm_head
+        lm.lm_head = torch.nn.Linear(old.in_features, self.vrows, bias=False, device=old.weight.device,
+                                     dtype=old.weight.dtype)
+
+    def vocab_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full [V, H] tensor (tied embeddings), zero-padded."""
+        a, b = self.vrange
+        t = full[a:b]
+        if t.shape[0] < self.vrows:
+            t = torch.cat([t, t.new_zeros(self.vrows - t.shape[0], *t.shape[1:])])
+        return t.clone()
+
+    # -- which slice of which tensor -----------------------------------------------------------------------------
+
+    def selection(self, key: str, shape: tuple[int, ...]) -> Selection | None:
+        """The slice of checkpoint tensor `key` (any prefix: model., model.language_model., mtp.) this rank reads;
+        None = the whole tensor (replicated)."""
+        if key == "lm_head.weight":
+            return Selection(0, [self.vrange], size=self.vrows)
+        first = self.rank == 0
+        if ".self_attn." in key:
+            proj, _, kind = key.split(".self_attn.")[1].partition(".")
+            h0, h1 = self.heads
+            hd = self.hd
+            if proj == "q_proj":
+                return Selection(0, [(h0 * 2 * hd, h1 * 2 * hd)])
+            if proj in ("k_proj", "v_proj"):
+                k0, k1 = self.kv_heads
+                return Selection(0, [(k0 * hd, k1 * hd)])
+            if proj == "o_proj":
+                return Selection(1, [(h0 * hd, h1 * hd)]) if kind == "weight" else (None if first else Selection(0, [], zero=True))
+            return None  # q_norm, k_norm: per head_dim, replicated
+        if ".linear_attn." in key:
+            return self._gdn(key.split(".linear_attn.")[1])
+        if ".mlp." in key:
+            tail = key.split(".mlp.")[1]
+            if tail in ("gate.weight", "shared_expert_gate.weight"):
+                return None  # router / shared-expert gate: replicated
+            if tail.startswith("experts."):
+                I, (a, b) = self.inter["moe_intermediate_size"]
+                if tail == "experts.gate_up_proj":  # [E, 2I, H]: gate rows then up rows
+                    return Selection(1, [(a, b), (I + a, I + b)])
+                if tail == "experts.down_proj":  # [E, H, I]
+                    return Selection(2, [(a, b)])
+                m = _PER_EXPERT.match(tail)
+                if m:
+                    return Selection(1 if m.group(1) == "down_proj" else 0, [(a, b)])
+                return None
+            name = "shared_expert_intermediate_size" if tail.startswith("shared_expert.") else "intermediate_size"
+            parts = tail.split(".")  # [shared_expert.]{gate,up,down}_proj.{weight,bias}
+            if len(parts) < 2 or name not in self.inter:
+                return None
+            proj, kind = parts[-2], parts[-1]
+            _, (a, b) = self.inter[name]
+            if proj in ("gate_proj", "up_proj"):
+                return Selection(0, [(a, b)])
+            if proj == "down_proj":
+                return Selection(1, [(a, b)]) if kind == "weight" else (None if first else Selection(0, [], zero=True))
+        return None
+
+    def _gdn(self, tail: str) -> Selection | None:
+        proj, _, kind = tail.partition(".")
+        dk, dv, nk, r = self.dk, self.dv, self.nk, self.r
+        k0, k1 = self.k_heads
+        v0, v1 = self.v_heads
+        qkv = [(k0 * dk, k1 * dk), (nk * dk + k0 * dk, nk * dk + k1 * dk), (2 * nk * dk + v0 * dv, 2 * nk * dk + v1 * dv)]
+        if proj == "in_proj_qkvz":  # per key-head group g: [q dk | k dk | v r*dv | z r*dv]
+            G, out = 2 * dk + 2 * r * dv, []
+            for g in range(k0, k1):
+                lo, hi = max(v0, g * r) - g * r, min(v1, (g + 1) * r) - g * r  # the group's value heads we hold
+                base = g * G
+                out += [(base, base + 2 * dk), (base + 2 * dk + lo * dv, base + 2 * dk + hi * dv),
+                        (base + 2 * dk + r * dv + lo * dv, base + 2 * dk + r * dv + hi * dv)]
+            return Selection(0, _merge(out))
+        if proj == "in_proj_ba":  # per key-head group g: [b r | a r]
+            out = []
+            for g in range(k0, k1):
+                lo, hi = max(v0, g * r) - g * r, min(v1, (g + 1) * r) - g * r
+                out += [(g * 2 * r + lo, g * 2 * r + hi), (g * 2 * r + r + lo, g * 2 * r + r + hi)]
+            return Selection(0, _merge(out))
+        if proj in ("in_proj_qkv", "conv1d"):  # [q | k | v] sections (conv channels too)
+            return Selection(0, _merge(qkv))
+        if proj == "in_proj_z":
+            return Selection(0, [(v0 * dv, v1 * dv)])
+        if proj in ("in_proj_b", "in_proj_a", "A_log", "dt_bias"):
+            return Selection(0, [(v0, v1)])
+        if proj == "out_proj":
+            return Selection(1, [(v0 * dv, v1 * dv)]) if kind == "weight" else (
+                None if self.rank == 0 else Selection(0, [], zero=True))
+        return None  # the gated norm: per value-head dim, replicated
+
+    def describe(self) -> dict:
+        d = {"attention_heads": list(self.heads), "kv_heads": list(self.kv_heads),
+             "kv_heads_replicated": self.kv_replicated, "vocab_rows": list(self.vrange)}
+        if self.gdn:
+            d.update(gdn_key_heads=list(self.k_heads), gdn_value_heads=list(self.v_heads))
+        d.update({k: list(v[1]) for k, v in self.inter.items()})
+        return d
+
+
+# --- random weights (benchmarks at real shapes) ---------------------------------------------------------------
+
+
+def random_model(preset: str, layers: int | None, group: TPGroup, dtype: str | None, seed: int = 0):
+    """presets.random_model, sharded: each rank builds only its local modules; replicated tensors (embedding,
+    norms, routers, the MTP fc) are broadcast from rank 0 so every rank computes the same thing."""
+    from .events import Fallback
+    from .families import SUPPORTED
+    from .kernels import select_backends
+    from .model import Loaded, Rotary, Trunk, default_device_dtype
+    from .mtp import MTPHead
+    from .presets import PRESETS
+
+    if preset not in PRESETS:
+        raise EngineError(f"--random-weights {preset!r}: presets are {', '.join(PRESETS)}")
+    model_type, kw = PRESETS[preset]
+    kw = dict(kw)
+    if layers is not None:
+        if layers < 1:
+            raise EngineError("--layers must be at least 1")
+        kw["num_hidden_layers"] = layers
+    kw["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                         for i in range(kw["num_hidden_layers"])]
+    family = SUPPORTED[model_type]
+    cfg = family.text_config({"model_type": model_type, **kw})
+    dev, dt, fallbacks = default_device_dtype(str(group.device), dtype)
+    plan = ShardPlan(cfg, group.rank, group.world, where=f"preset {preset}")
+    lcfg = plan.local_config
+    torch.manual_seed(seed + group.rank)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dt)
+    try:
+        with dev:
+            lm = family.causal_lm_class()(lcfg)
+            plan.adapt(lm)
+            head = MTPHead(MTPHead.layer_config(lcfg, bool(kw.get("num_experts"))), family, 1)
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():
+        for module, prefix in ((lm, ""), (head, "mtp.")):
+            for name, p in module.named_parameters():
+                if plan.selection(prefix + name, tuple(p.shape)) is None:
+                    group.broadcast_(p.data)
+    lm.eval()
+    head.eval()
+    kinds = list(lcfg.layer_types)
+    slots, seen = [], {"linear_attention": 0, "full_attention": 0}
+    for k in kinds:
+        slots.append(seen[k])
+        seen[k] += 1
+    group.vocab_size = cfg.vocab_size
+    trunk = Trunk(family, lcfg, lm, Rotary(lcfg, dev), dev, dt, select_backends(dev), kinds, slots, group=group)
+    group.plan = plan
+    head.trunk = trunk
+    fallbacks.append(Fallback("weights", f"random weights in the {preset} shape: output text is meaningless"))
+    params = sum(p.numel() for p in lm.parameters())
+    return Loaded(f"random:{preset}", f"random:{preset}", {"model_type": model_type, **kw}, trunk, head, 1,
+                  params, fallbacks)
+
+
+# --- launch -------------------------------------------------------------------------------------------------
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _backend_and_devices(device: str | None, world: int) -> str:
+    """'cpu' or 'cuda' for the whole group, checked before anything is spawned."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise EngineError("--device cuda: no CUDA device is available (use --device cpu)")
+        if device not in ("cuda",):
+            raise EngineError(f"--device {device!r} with --tp: give plain 'cuda' (rank r uses cuda:r)")
+        n = torch.cuda.device_count()
+        if n < world:
+            raise EngineError(f"--tp {world}: only {n} CUDA device(s) visible")
+        return "cuda"
+    if device != "cpu":
+        raise EngineError(f"--device {device!r}: expected cpu or cuda")
+    return "cpu"
+
+
+def init_group(rank: int, world: int, kind: str, local_rank: int | None = None,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
+    """Join the default process group (env:// rendezvous) and return the whole world as a TPGroup."""
+    local_rank = rank if local_rank is None else local_rank
+    if kind == "cuda":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        kwargs = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return TPGroup(rank, world, None, device)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+def _worker(fn, args, rank: int, world: int, port: int, kind: str, conn, timeout_s: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if kind == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if rank != 0:  # rank 0 owns the terminal; the others report through the pipe
+        sys.stdout = open(os.devnull, "w")
+        sys.stderr = open(os.devnull, "w")
+    code = 1
+    try:
+        group = init_group(rank, world, kind, timeout_s=timeout_s)
+        code = int(fn(args, group) or 0)
+    except EngineError as e:
+        conn.send(("error", str(e)))
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException as e:  # noqa: BLE001 - everything else ends the group with a reason
+        conn.send(("crash", _short(e)))
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            if dist.is_initialized():
+                if code == 0:
+                    dist.destroy_process_group()
+                # after a failure, a collective-free exit: destroying a group whose peers are gone can hang
+        except Exception:
+            pass
+        conn.close()
+    os._exit(code)  # no atexit hooks that could block on a dead peer
+
+
+def launch(fn, args, world: int, device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """Run fn(args, group) on `world` ranks and return rank 0's exit status.
+
+    Under torchrun (RANK / WORLD_SIZE in the environment) this process is one rank: it joins the group and runs
+    fn itself; torchrun supervises. Otherwise `world` worker processes are spawned (torch.multiprocessing, spawn
+    context; gloo on CPU, NCCL with NVLS off on CUDA) and this process supervises them: when one dies, the others
+    get GRACE_S seconds, are terminated, and a TPError names the rank and its exit code. A user mistake
+    (EngineError on the ranks, e.g. a bad model path) is re-raised as that error, once.
+    """
+    if under_torchrun():
+        env_world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        if world > 1 and world != env_world:
+            raise EngineError(f"--tp {world}: torchrun started {env_world} processes (WORLD_SIZE)")
+        kind = _backend_and_devices(device, int(os.environ.get("LOCAL_WORLD_SIZE", env_world)))
+        group = init_group(rank, env_world, kind, int(os.environ.get("LOCAL_RANK", rank)), timeout_s)
+        if rank != 0:
+            sys.stdout = open(os.devnull, "w")
+        try:
+            return int(fn(args, group) or 0)
+        finally:
+            if rank != 0:
+                sys.stdout.close()
+                sys.stdout = sys.__stdout__
+    if world < 1:
+        raise EngineError(f"--tp {world}: must be at least 1")
+    kind = _backend_and_devices(device, world)
+    if kind == "cuda":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the workers
+    import torch.multiprocessing as mp
+    from multiprocessing.connection import wait
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs, conns = [], []
+    sys.stdout.flush()
+    for rank in range(world):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_worker, args=(fn, args, rank, world, port, kind, send, timeout_s),
+                        name=f"mtpchat-tp{rank}", daemon=True)
+        p.start()
+        send.close()
+        procs.append(p)
+        conns.append(recv)
+    messages: dict[int, tuple[str, str]] = {}
+    failed: list[tuple[int, int]] = []
+    try:
+        alive = {p.sentinel: r for r, p in enumerate(procs)}
+        deadline = None
+        while alive:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(alive), left)
+            batch = []
+            for s in ready:
+                r = alive.pop(s)
+                procs[r].join()
+                if procs[r].exitcode != 0:
+                    batch.append((r, procs[r].exitcode))
+            # a worker killed by a signal is the cause; its peers' errors are the consequence
+            failed += sorted(batch, key=lambda rc: (rc[1] >= 0, rc[0]))
+            if failed and deadline is None:
+                deadline = time.monotonic() + GRACE_S
+            if deadline is not None and time.monotonic() >= deadline and alive:
+                for r in alive.values():
+                    procs[r].terminate()
+                for r in alive.values():
+                    procs[r].join(5)
+                    if procs[r].exitcode is None:
+                        procs[r].kill()
+                        procs[r].join()
+                alive = {}
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.exitcode is None:
+                p.terminate()
+        for p in procs:
+            p.join(5)
+        raise
+    finally:
+        for r, c in enumerate(conns):
+            try:
+                while c.poll():
+                    messages[r] = c.recv()
+            except (EOFError, OSError):
+                pass
+            c.close()
+    if not failed:
+        return 0
+    errors = {r: m for r, (kind_, m) in messages.items() if kind_ == "error"}
+    if errors:  # the same user mistake on every rank: say it once
+        raise EngineError(errors.get(0) or errors[min(errors)])
+    r, code = failed[0]
+    if code == 130 or code == -signal.SIGINT:
+        raise KeyboardInterrupt
+    what = f"exited with code {code}" if code > 0 else f"was killed by signal {-code}"
+    detail = messages.get(r, (None, ""))[1]
+    raise TPError(f"tensor-parallel worker rank {r} {what}{f' ({detail})' if detail else ''}; "
+                  f"stopped the group of {world}")
