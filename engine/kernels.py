@@ -126,12 +126,9 @@ def select_backends(device: torch.device) -> Backends:
 
 
 def _fla_unusable_reason(device: torch.device) -> str | None:
-    if os.environ.get("MTPCHAT_DISABLE_FLA") == "1":
-        return "FLA disabled by MTPCHAT_DISABLE_FLA=1"
-    if device.type != "cuda":
-        return f"device is {device.type}; FLA kernels need CUDA"
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-    except Exception as e:  # ImportError, or Triton failing to initialise
-        return f"flash-linear-attention not importable ({type(e).__name__}: {str(e)[:120]})"
-    return None
+    """None when FLA may run here; otherwise why not (switch, device, import, or the numerical self-check)."""
+    from .environment import DeviceInfo, fla_status
+
+    info = DeviceInfo(kind=device.type, name="", total_bytes=0, free_bytes=0, index=device.index or 0)
+    usable, why = fla_status(info)
+    return None if usable else why
