@@ -1,0 +1,58 @@
+"""Time to first token across a long conversation, with committed-state reuse on and off.
+
+    python packaging/bench/turns.py [--model M] [--turns 10] [--history-tokens 2000] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine import GenerationSettings, load_engine
+from engine.events import Finished, Tokens
+
+FILLER = ("Tell me more about rivers, mountains and the sea, and how the water moves between them over the "
+          "seasons of the year. ")
+
+
+def conversation(engine, turns: int, history_tokens: int, reuse: bool) -> list[dict]:
+    # a long first message so that the history is about `history_tokens` long from the first turn on
+    first = FILLER * max(1, history_tokens // max(1, len(engine.encode_raw(FILLER))))
+    messages, rows = [], []
+    for turn in range(1, turns + 1):
+        messages.append({"role": "user", "content": first if turn == 1 else f"And what about question {turn}?"})
+        settings = GenerationSettings(max_new_tokens=24, depth=2, reuse=reuse)
+        text, fin = "", None
+        for ev in engine.chat(messages, settings):
+            if isinstance(ev, Tokens):
+                text += ev.text
+            elif isinstance(ev, Finished):
+                fin = ev
+        rows.append({"turn": turn, "reuse": reuse, "prompt_tokens": fin.stats["prompt_tokens"],
+                     "prefilled_tokens": fin.stats["prefilled_tokens"], "ttft_ms": fin.stats["ttft_ms"]})
+        messages.append({"role": "assistant", "content": text})
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model")
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--history-tokens", type=int, default=2000)
+    p.add_argument("--json")
+    a = p.parse_args()
+    engine = load_engine(a.model)
+    rows = conversation(engine, a.turns, a.history_tokens, True) + conversation(engine, a.turns, a.history_tokens, False)
+    for r in rows:
+        if r["turn"] in (1, 5, 10):
+            print(f"turn {r['turn']:>2} reuse {'on ' if r['reuse'] else 'off'} prompt {r['prompt_tokens']:>5} "
+                  f"prefilled {r['prefilled_tokens']:>5} ttft {r['ttft_ms']:8.1f} ms")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": engine.info.path, "device": engine.info.device, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
