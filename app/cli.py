@@ -28,6 +28,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on CUDA, float32 on CPU")
 
 
+def _tp_size(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of ranks, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def add_tp_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=_tp_size, default=1, metavar="N",
+                   help="tensor parallelism: shard the model over N worker processes (one GPU each on CUDA, "
+                        "gloo on CPU); under torchrun the ranks are torchrun's")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import cmd_bench, cmd_run
 

@@ -10,7 +10,7 @@ from engine.events import Finished, Started, Tokens
 
 
 def add_parser(sub) -> None:
-    from .cli import add_model_args
+    from .cli import add_model_args, add_tp_arg
 
     p = sub.add_parser("run", help="generate a reply to one prompt")
     p.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_tp_arg(p)
 
 
 def settings_from(args) -> GenerationSettings:
@@ -35,8 +36,22 @@ def settings_from(args) -> GenerationSettings:
 
 
 def run(args) -> int:
+    settings_from(args)
+    from engine.tp import launch, under_torchrun
+
+    tp = getattr(args, "tp", 1)
+    if tp > 1 or under_torchrun():  # N ranks run the same loop; rank 0 owns the output
+        return launch(_run_rank, args, tp, args.device)
+    return _run(args, load_engine(args.model, args.device, args.dtype))
+
+
+def _run_rank(args, group) -> int:
+    """One rank of `run --tp N` (a spawned worker, or a torchrun process)."""
+    return _run(args, load_engine(args.model, None, args.dtype, tp=group), group)
+
+
+def _run(args, engine, group=None) -> int:
     settings = settings_from(args)
-    engine = load_engine(args.model, args.device, args.dtype)
     if args.raw:
         prompt = engine.encode_raw(args.prompt)
     else:
@@ -67,8 +82,10 @@ def run(args) -> int:
             "fallbacks": [{"feature": f.feature, "reason": f.reason} for f in fallbacks],
             "diagnostics": engine.diagnostics(),
         }
+        if group is not None:
+            out["diagnostics"]["tensor_parallel"] = {**group.describe(), "shard": group.plan.describe()}
         sys.stdout.write(json.dumps(out) + "\n")
-    else:
+    elif group is None or group.rank == 0:
         sys.stdout.write("\n")
         st = finished.stats
         sys.stderr.write(f"[{len(ids)} tokens, {st['tokens_per_s']:.1f} tok/s, depth {st['depth']}, "

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from .errors import EngineError
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MTPCHAT_TP_TIMEOUT", "300"))  # a hung peer fails a collective after this
+GATHER_SUM_MAX = 1 << 16  # gloo: all-reduce small tensors as all-gather + local sum (fewer dependent hops)
 GRACE_S = 5.0  # after one rank fails, how long the others get to notice before they are terminated
 
 
@@ -69,9 +70,16 @@ class TPGroup:
         self.vocab_size: int | None = None  # set by the loader: gathered logits are cut back to it
         self.plan: ShardPlan | None = None  # what this rank holds (set by the loader)
         self.src = dist.get_global_rank(pg, 0) if pg is not None else 0  # global rank of this group's rank 0
+        self.gather_sum = dist.is_initialized() and dist.get_backend(pg) == "gloo"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
+        if self.gather_sum and x.numel() * self.world <= GATHER_SUM_MAX:
+            # gloo's ring all-reduce takes 2 (N - 1) dependent hops; for decode-sized rows an all-gather takes
+            # N - 1, and every rank then sums the same parts in the same order (bitwise-identical results)
+            parts = [torch.empty_like(x) for _ in range(self.world)]
+            dist.all_gather(parts, x, group=self.pg)
+            return torch.stack(parts).sum(0)
         dist.all_reduce(x, group=self.pg)
         return x
 
