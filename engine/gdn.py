@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import GDNState
+from .kernels import store_conv_state
 
 
 class VerifyStash:
@@ -75,7 +76,7 @@ def prefill(mixer, x, slot: int, state: GDNState, backends) -> torch.Tensor:
     q, k, v, g, beta = kernel_inputs(mixer, window, T, b, a)
     kernel = backends.gdn_chunk if T > 1 else backends.gdn_recurrent
     core, final = kernel(q, k, v, g, beta, state.recurrent[slot : slot + 1])
-    state.conv[slot].copy_(window[0, :, T:])
+    store_conv_state(state.conv, slot, window)
     state.recurrent[slot].copy_(final[0])
     return output(mixer, core, z)
 

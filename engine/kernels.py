@@ -99,12 +99,54 @@ def fla_chunk(q, k, v, g, beta, state):
     )
 
 
+# --- compile boundaries ------------------------------------------------------------------------------------
+# FLA marks its entry points torch.compiler.disable: under torch.compile(fullgraph=True) that is an error. Each
+# GDN kernel therefore runs behind an inference custom op, opaque to the compiler, so decode / verify steps
+# compile as one graph while the selected kernel is still the one that runs.
+
+IMPLEMENTATIONS = {"torch": (torch_recurrent, torch_chunk), "fla": (fla_recurrent, fla_chunk)}
+
+
+@torch.library.custom_op("mtpchat::gdn", mutates_args=())
+def gdn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           state: torch.Tensor, impl: str, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, final = IMPLEMENTATIONS[impl][int(chunked)](q, k, v, g, beta, state)
+    return out.clone() if out.data_ptr() == v.data_ptr() else out, final.float().contiguous()
+
+
+@gdn_op.register_fake
+def _(q, k, v, g, beta, state, impl, chunked):
+    return torch.empty_like(v), torch.empty(state.shape, dtype=torch.float32, device=state.device)
+
+
+@torch.library.custom_op("mtpchat::store_conv_state", mutates_args=("conv",))
+def store_conv_state(conv: torch.Tensor, slot: int, window: torch.Tensor) -> None:
+    """The in-place conv-cache update of prefill: conv[slot] = the last K-1 conv inputs of the window."""
+    conv[slot].copy_(window[0, :, window.shape[-1] - conv.shape[-1]:])
+
+
+@store_conv_state.register_fake
+def _(conv, slot, window):
+    return None
+
+
+@dataclass
+class Kernel:
+    """A GDN kernel behind the custom-op boundary."""
+
+    impl: str
+    chunked: bool
+
+    def __call__(self, q, k, v, g, beta, state):
+        return gdn_op(q, k, v, g, beta, state, self.impl, self.chunked)
+
+
 @dataclass
 class Backends:
     """The kernel chosen for each op and why; diagnostics print it as is."""
 
-    gdn_chunk: object = torch_chunk
-    gdn_recurrent: object = torch_recurrent
+    gdn_chunk: object = field(default_factory=lambda: Kernel("torch", True))
+    gdn_recurrent: object = field(default_factory=lambda: Kernel("torch", False))
     choice: dict[str, tuple[str, str]] = field(default_factory=dict)  # op -> (backend, reason)
 
 
@@ -112,7 +154,7 @@ def select_backends(device: torch.device) -> Backends:
     b = Backends()
     reason = _fla_unusable_reason(device)
     if reason is None:
-        b.gdn_chunk, b.gdn_recurrent = fla_chunk, fla_recurrent
+        b.gdn_chunk, b.gdn_recurrent = Kernel("fla", True), Kernel("fla", False)
         for op in ("gdn_chunk", "gdn_recurrent"):
             b.choice[op] = ("fla", "flash-linear-attention Triton kernel on CUDA")
     else:

@@ -1,0 +1,67 @@
+"""Compile boundaries: with GPU-only kernels replaced by compiler-disabled stand-ins (what FLA's entry points
+are), the verify and prefill steps still compile with fullgraph=True through the custom ops, compute the same
+thing, and the in-place conv-cache mutation happens."""
+
+import pytest
+import torch
+
+from engine import kernels, load_engine
+
+standin_recurrent = torch.compiler.disable(kernels.torch_recurrent)
+standin_chunk = torch.compiler.disable(kernels.torch_chunk)
+
+
+@pytest.fixture
+def engine(ckpt, monkeypatch):
+    monkeypatch.setitem(kernels.IMPLEMENTATIONS, "standin", (standin_recurrent, standin_chunk))
+    eng = load_engine(str(ckpt("next")))
+    eng.trunk.backends.gdn_recurrent = kernels.Kernel("standin", False)
+    eng.trunk.backends.gdn_chunk = kernels.Kernel("standin", True)
+    return eng
+
+
+def test_standin_breaks_fullgraph_without_the_boundary(monkeypatch):
+    monkeypatch.setitem(kernels.IMPLEMENTATIONS, "standin", (standin_recurrent, standin_chunk))
+    q = k = torch.randn(1, 2, 2, 8)
+    v = torch.randn(1, 2, 2, 8)
+    g, beta, s = -torch.rand(1, 2, 2), torch.rand(1, 2, 2), torch.zeros(1, 2, 8, 8)
+    with pytest.raises(Exception):
+        torch.compile(lambda *a: standin_recurrent(*a)[0], fullgraph=True, backend="aot_eager")(q, k, v, g, beta, s)
+    out = torch.compile(lambda *a: kernels.gdn_op(*a, "standin", False)[0], fullgraph=True, backend="aot_eager")(
+        q, k, v, g, beta, s)
+    torch.testing.assert_close(out, kernels.torch_recurrent(q, k, v, g, beta, s)[0])
+
+
+def test_verify_and_prefill_compile_fullgraph(engine):
+    trunk, caches = engine.trunk, engine.caches
+    prompt = torch.tensor(engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}]))
+
+    def prefill_step(tokens, pos):
+        return trunk.forward(tokens, pos, caches, verify=False)
+
+    def verify_step(tokens, pos):
+        return trunk.logits(trunk.forward(tokens, pos, caches, verify=True)[0])
+
+    with torch.inference_mode():
+        caches.reset()
+        caches.kv.reserve(prompt.shape[0] + 16)
+        caches.stash_for(8, trunk)
+        eager_h = prefill_step(prompt[None], torch.tensor(0))
+        eager_conv, eager_rec = caches.gdn.conv.clone(), caches.gdn.recurrent.clone()
+        caches.reset()
+        assert not caches.gdn.conv.any()
+        compiled_prefill = torch.compile(prefill_step, fullgraph=True, backend="aot_eager")
+        h = compiled_prefill(prompt[None], torch.tensor(0))
+        torch.testing.assert_close(h, eager_h)
+        # the conv cache was mutated in place by the compiled graph, through the custom op
+        torch.testing.assert_close(caches.gdn.conv, eager_conv)
+        torch.testing.assert_close(caches.gdn.recurrent, eager_rec)
+        caches.processed = prompt.shape[0]
+
+        tokens = torch.tensor([[5, 6, 7]])
+        pos = torch.tensor(caches.processed)
+        eager = verify_step(tokens, pos)
+        compiled = torch.compile(verify_step, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(tokens, pos), eager)
+        # a later cycle at another position re-uses the compiled graph (position is a tensor, not a constant)
+        torch.testing.assert_close(compiled(tokens, pos + 1), verify_step(tokens, pos + 1))
