@@ -10,6 +10,7 @@ import re
 import time
 from pathlib import Path
 
+from .stats import stats_line
 from .store import Conversation, CycleRow, Store
 
 PHASES = ["prefill", "priming", "draft", "verify", "accept", "commit", "refresh", "sampling", "detokenize"]
@@ -30,21 +31,6 @@ def _slug(text: str) -> str:
     return slug[:40] or "chat"
 
 
-def _stats_line(stats: dict | None) -> str:
-    if not stats:
-        return ""
-    parts = []
-    if "tokens_per_s" in stats:
-        parts.append(f"{stats['tokens_per_s']:.1f} tok/s")
-    if "depth" in stats:
-        parts.append(f"depth {stats['depth']}")
-    if "acceptance_rate" in stats:
-        parts.append(f"acceptance {100 * stats['acceptance_rate']:.0f}%")
-    if "mean_accepted_length" in stats:
-        parts.append(f"mean accepted length {stats['mean_accepted_length']:.2f}")
-    return " · ".join(parts)
-
-
 def transcript_markdown(conv: Conversation) -> str:
     out = [f"# {conv.title or 'Chat'}", ""]
     out.append(f"*mtpchat conversation {conv.id}, {time.strftime('%Y-%m-%d %H:%M', time.localtime(conv.created_at))}*")
@@ -55,7 +41,7 @@ def transcript_markdown(conv: Conversation) -> str:
         heading = "User" if msg.role == "user" else f"Assistant{f' ({msg.model})' if msg.model else ''}"
         out += [f"## {heading}", "", msg.content, ""]
         if msg.role == "assistant":
-            notes = [n for n in (_stats_line(msg.stats), msg.status if msg.status != "complete" else "",
+            notes = [n for n in (stats_line(msg.stats), msg.status if msg.status != "complete" else "",
                                  f"error: {msg.error}" if msg.error else "") if n]
             if notes:
                 out += [f"*{' · '.join(notes)}*", ""]
@@ -90,7 +76,7 @@ def transcript_json(conv: Conversation) -> dict:
 def _cycle_record(row: CycleRow) -> dict:
     return {
         "message_id": row.message_id,
-        "cycle": row.idx,
+        "cycle": row.index,
         "depth": row.depth,
         "drafted": row.drafted,
         "accepted": row.accepted,
@@ -113,7 +99,7 @@ def timing_csv(rows: list[CycleRow]) -> str:
     )
     for row in rows:
         writer.writerow(
-            [row.message_id, row.idx, row.depth, row.drafted, row.accepted,
+            [row.message_id, row.index, row.depth, row.drafted, row.accepted,
              "".join("1" if a else "0" for a in row.accepted_per_position), row.committed, f"{row.t_ms:.3f}"]
             + [f"{row.phase_ms[p]:.4f}" if p in row.phase_ms else "" for p in phases]
         )

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
+from textual.content import Content
 from textual.widgets import Label, Sparkline, Static
 
 from .export import PHASES
+from .live import LiveStatic
 from .stats import ReplyStats
 
 DASH = "—"
@@ -23,16 +26,39 @@ def _bar(fraction: float, width: int = 14) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
+Cell = str | tuple[str, str]  # text, or (text, style)
+
+
+def grid(rows: list[list[Cell]], right: set[int] = frozenset(), gap: int = 1) -> Content:
+    """Rows of cells as aligned columns (Content, not a Rich table: it is cheap to measure and draw, and the
+    timing pane is redrawn while replies stream)."""
+    def text(cell: Cell) -> str:
+        return cell if isinstance(cell, str) else cell[0]
+
+    widths = [max(len(text(row[i])) for row in rows if i < len(row)) for i in range(max(map(len, rows)))]
+    parts: list[Cell] = []
+    for r, row in enumerate(rows):
+        for i, cell in enumerate(row):
+            body = text(cell)
+            padded = body.rjust(widths[i]) if i in right else body.ljust(widths[i])
+            if i < len(row) - 1:
+                padded += " " * gap
+            parts.append(padded if isinstance(cell, str) else (padded, cell[1]))
+        if r < len(rows) - 1:
+            parts.append("\n")
+    return Content.assemble(*parts)
+
+
 class TimingPane(VerticalScroll):
     """Where the time of the current (or last) reply goes, updated live."""
 
     def compose(self) -> ComposeResult:
-        yield Static(id="timing-depth")
-        yield Static(id="timing-summary")
+        yield LiveStatic(id="timing-depth")
+        yield LiveStatic(id="timing-summary")
         yield Label("acceptance by draft position", classes="pane-title")
-        yield Static(id="timing-positions")
-        yield Label("phases (ms)", classes="pane-title")
-        yield Static(id="timing-phases")
+        yield LiveStatic(id="timing-positions")
+        yield Label("phases, ms", classes="pane-title")
+        yield LiveStatic(id="timing-phases")
         yield Label("tokens/s over the reply", classes="pane-title")
         yield Sparkline([], id="spark-tps")
         yield Label("acceptance over the reply", classes="pane-title")
@@ -42,127 +68,130 @@ class TimingPane(VerticalScroll):
         self.show(ReplyStats(), depth=None)
 
     def show_depth(self, depth: int | None, cycle_depth: int | None = None) -> None:
-        text = Text()
-        text.append("speculation depth ", style="bold")
-        text.append(DASH if depth is None else str(depth), style="bold reverse")
+        parts: list[Cell] = [("speculation depth ", "bold"), (DASH if depth is None else f" {depth} ", "bold reverse")]
         if depth == 0:
-            text.append("  (plain decoding)")
-        if cycle_depth is not None and cycle_depth != depth:
-            text.append(f"  last cycle ran at {cycle_depth}")
-        self.query_one("#timing-depth", Static).update(text)
+            parts.append("  plain decoding")
+        if cycle_depth is not None:
+            parts.append((f"  (last cycle: {cycle_depth})", "dim"))
+        self.query_one("#timing-depth", LiveStatic).show(Content.assemble(*parts))
 
     def show(self, stats: ReplyStats, depth: int | None) -> None:
         last = stats.last_cycle
         self.show_depth(depth, last.depth if last else None)
 
-        summary = Table.grid(padding=(0, 1))
-        summary.add_column(style="dim")
-        summary.add_column(justify="right")
-        summary.add_row("tokens/s", _fmt(stats.tokens_per_s, ".1f"))
-        summary.add_row("first token", _fmt(stats.ttft_ms, ".0f", " ms"))
         rate = stats.acceptance_rate
-        summary.add_row("acceptance", DASH if rate is None else f"{100 * rate:.1f}%")
-        summary.add_row("tokens/cycle", _fmt(stats.mean_accepted_length, ".2f"))
-        summary.add_row("cycles", str(stats.cycles) if stats.cycles else DASH)
-        summary.add_row("drafted / accepted", f"{stats.drafted} / {stats.accepted}" if stats.cycles else DASH)
-        summary.add_row("tokens", str(stats.tokens) if stats.tokens else DASH)
-        self.query_one("#timing-summary", Static).update(summary)
+        counted = bool(stats.cycles)
+        summary = grid([
+            [("tokens/s", "dim"), _fmt(stats.tokens_per_s, ".1f"), ("first token", "dim"),
+             _fmt(stats.ttft_ms, ".0f", " ms")],
+            [("acceptance", "dim"), DASH if rate is None else f"{100 * rate:.1f}%", ("tokens/cycle", "dim"),
+             _fmt(stats.mean_accepted_length, ".2f")],
+            [("cycles", "dim"), str(stats.cycles) if counted else DASH, ("tokens", "dim"),
+             str(stats.tokens) if stats.tokens else DASH],
+            [("drafted", "dim"), str(stats.drafted) if counted else DASH, ("accepted", "dim"),
+             str(stats.accepted) if counted else DASH],
+        ])
+        self.query_one("#timing-summary", LiveStatic).show(summary)
 
-        positions = Table.grid(padding=(0, 1))
-        for index, fraction in enumerate(stats.per_position, start=1):
-            positions.add_row(f"d{index}", _bar(fraction), f"{100 * fraction:3.0f}%")
-        self.query_one("#timing-positions", Static).update(positions if stats.per_position else DASH)
+        positions = [[f"d{i}", _bar(f), f"{100 * f:.0f}%"] for i, f in enumerate(stats.per_position, start=1)]
+        self.query_one("#timing-positions", LiveStatic).show(grid(positions, right={2}) if positions else DASH)
 
         totals = stats.phase_ms
         last_phases = last.phase_ms if last else {}
         names = [p for p in PHASES if p in totals or p in last_phases]
         names += [p for p in list(totals) + list(last_phases) if p not in names]
         grand = sum(totals.values()) or 1.0
-        phases = Table(box=None, padding=(0, 1), show_edge=False, header_style="dim")
-        phases.add_column("phase")
-        phases.add_column("last", justify="right")
-        phases.add_column("total", justify="right")
-        phases.add_column("%", justify="right")
+        rows: list[list[Cell]] = [["", ("last cycle", "dim"), ("reply", "dim"), ("share", "dim")]]
         for name in names:
-            phases.add_row(
+            rows.append([
                 name,
                 f"{last_phases[name]:.2f}" if name in last_phases else DASH,
                 f"{totals[name]:.1f}" if name in totals else DASH,
-                f"{100 * totals.get(name, 0.0) / grand:.0f}",
-            )
-        self.query_one("#timing-phases", Static).update(phases if names else DASH)
+                f"{100 * totals.get(name, 0.0) / grand:.0f}%",
+            ])
+        self.query_one("#timing-phases", LiveStatic).show(grid(rows, right={1, 2, 3}, gap=2) if names else DASH)
 
         self.query_one("#spark-tps", Sparkline).data = list(stats.tps_series)
         self.query_one("#spark-acceptance", Sparkline).data = list(stats.acceptance_series)
 
 
-def _rows(value, prefix: str = "") -> list[tuple[str, str]]:
-    """Flatten nested diagnostics into (key, value) rows."""
-    if isinstance(value, dict):
-        rows = []
-        for key, item in value.items():
-            name = f"{prefix}{key}"
-            if isinstance(item, (dict, list)) and item:
-                rows.append((name, ""))
-                rows += _rows(item, prefix + "  ")
-            else:
-                rows.append((name, _scalar(item)))
-        return rows
-    if isinstance(value, list):
-        rows = []
-        for item in value:
-            if isinstance(item, dict):
-                first = True
-                for key, sub in item.items():
-                    rows.append((f"{prefix}{'- ' if first else '  '}{key}", _scalar(sub)))
-                    first = False
-            else:
-                rows.append((f"{prefix}-", _scalar(item)))
-        return rows
-    return [(prefix.strip() or "value", _scalar(value))]
+def human_count(value) -> str:
+    """270504 -> '270.5K', 80e9 -> '80.0B'."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        return DASH if value in (None, 0) else str(value)
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return str(int(value))
 
 
 def _scalar(value) -> str:
     if value is None:
         return DASH
-    if isinstance(value, (dict, list)):
-        return DASH if not value else str(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_scalar(v) for v in value) if value else DASH
     return str(value)
+
+
+def _section(value) -> Table | Text:
+    """One diagnostics section: key/value rows; a nested dict shows as 'name  first value' with the rest dim
+    below (e.g. a backend and why it was chosen); a list of dicts as one line each."""
+    table = Table.grid(padding=(0, 1))
+    table.add_column(style="dim", no_wrap=True)
+    table.add_column(overflow="fold")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(item, dict) and item:
+                (first_key, first), *rest = item.items()
+                cell = Text(_scalar(first) if first_key == "backend" else f"{first_key}: {_scalar(first)}")
+                for sub_key, sub in rest:
+                    line = _scalar(sub) if sub_key == "reason" else f"{sub_key}: {_scalar(sub)}"
+                    cell.append(f"\n{line}", style="dim")
+                table.add_row(str(key), cell)
+            else:
+                table.add_row(str(key), _scalar(item if key != "params" else human_count(item)))
+        return table
+    if isinstance(value, list):
+        if not value:
+            return Text(DASH)
+        for item in value:
+            if isinstance(item, dict):
+                values = list(item.values())
+                table.add_row(_scalar(values[0]) if values else "", " · ".join(_scalar(v) for v in values[1:]))
+            else:
+                table.add_row("-", _scalar(item))
+        return table
+    return Text(_scalar(value))
 
 
 class DiagnosticsPane(VerticalScroll):
     """The loaded model (``engine.info``) and ``engine.diagnostics()``: device, dtype, backends and why,
-    versions, fallbacks."""
+    versions, fallbacks, one section per top-level key."""
 
     def compose(self) -> ComposeResult:
-        yield Label("model", classes="pane-title")
-        yield Static(DASH, id="diag-model")
-        yield Label("engine", classes="pane-title")
-        yield Static("loading…", id="diag-engine")
+        yield Static("loading…", id="diag-body")
 
     def show_loading(self, model: str | None) -> None:
-        self.query_one("#diag-model", Static).update(Text(f"loading {model or 'the default model'}…"))
-        self.query_one("#diag-engine", Static).update(DASH)
+        self.query_one("#diag-body", Static).update(Text(f"loading {model or 'the default model'}…"))
 
     def show_failed(self, error: str) -> None:
-        self.query_one("#diag-model", Static).update(Text("no model loaded", style="bold"))
-        self.query_one("#diag-engine", Static).update(Text(error, style="red"))
+        text = Text("no model loaded\n", style="bold")
+        text.append(error, style="red")
+        self.query_one("#diag-body", Static).update(text)
 
     def show(self, info, diagnostics: dict) -> None:
-        model = {}
-        for key in ("name", "family", "params", "mtp_layers", "device", "dtype", "path"):
-            if hasattr(info, key):
-                model[key] = getattr(info, key)
-        self.query_one("#diag-model", Static).update(self._table(_rows(model)))
-        self.query_one("#diag-engine", Static).update(self._table(_rows(diagnostics)))
-
-    @staticmethod
-    def _table(rows: list[tuple[str, str]]) -> Table:
-        table = Table.grid(padding=(0, 1))
-        table.add_column(style="dim", no_wrap=True)
-        table.add_column(overflow="fold")
-        for key, value in rows:
-            table.add_row(key, value)
-        return table
+        sections = dict(diagnostics)
+        model = {key: getattr(info, key) for key in ("name", "family", "params", "mtp_layers", "path")
+                 if hasattr(info, key)}
+        sections["model"] = {**model, **{k: v for k, v in sections.get("model", {}).items() if k not in model}}
+        sections = {"model": sections.pop("model"), **sections}
+        parts = []
+        for title, value in sections.items():
+            parts.append(Text(str(title), style="bold"))
+            parts.append(_section(value))
+            parts.append(Text(""))
+        self.query_one("#diag-body", Static).update(Group(*parts))

@@ -40,3 +40,7 @@ def database_path() -> Path:
 
 def exports_dir() -> Path:
     return data_dir() / "exports"
+
+
+def log_path() -> Path:
+    return data_dir() / "mtpchat.log"

@@ -17,6 +17,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, DataTable, Input, Label, Static, TextArea
 
 from .export import FORMATS, ExportError
+from .panes import human_count
 from .settings import Settings
 
 
@@ -42,7 +43,7 @@ KEYS: list[tuple[str, str]] = [
     ("ctrl+n", "new chat"),
     ("ctrl+o", "open a past conversation"),
     ("ctrl+r", "retry: generate the last reply again"),
-    ("ctrl+y", "copy the last reply"),
+    ("alt+c", "copy the last reply"),
     ("c / k", "on a focused message: copy it / copy its next code block (click a code block to copy it)"),
     ("ctrl+p", "command palette: depth, themes, every action above"),
     ("f1 / ?", "this help"),
@@ -65,7 +66,7 @@ class HelpScreen(Dialog):
             legend.append("marked tokens", style="reverse")
             legend.append(" came from MTP drafts the model accepted; the others from the target model.")
             table.append_text(legend)
-            yield VerticalScroll(Static(table))
+            yield VerticalScroll(Static(table, id="help-keys"))
             yield Label("escape closes", classes="dialog-hint")
 
 
@@ -94,6 +95,8 @@ class SettingsScreen(Dialog):
                 yield self._field("temperature (0: greedy)", "set-temperature", str(s.temperature), "number")
                 yield self._field("top-p", "set-top-p", str(s.top_p), "number")
                 yield self._field("top-k (0: off)", "set-top-k", str(s.top_k), "integer")
+            yield Checkbox("ignore end-of-sequence (keep generating to max tokens: for benchmarking)",
+                           s.ignore_eos, id="set-ignore-eos")
             yield Label("", id="settings-error", classes="dialog-error")
             with Horizontal(classes="buttons"):
                 yield Button("Save (ctrl+s)", id="save", variant="primary")
@@ -121,6 +124,7 @@ class SettingsScreen(Dialog):
                 top_p=self._value("set-top-p", float),
                 top_k=self._value("set-top-k", int),
                 system_prompt=self.query_one("#set-system", TextArea).text,
+                ignore_eos=self.query_one("#set-ignore-eos", Checkbox).value,
                 warnings=[],
             )
         except ValueError as exc:
@@ -183,15 +187,6 @@ class ExportScreen(Dialog):
 
 
 # model picker ----------------------------------------------------------------------------------------
-def _human_params(value) -> str:
-    if not isinstance(value, (int, float)) or value <= 0:
-        return "—" if value in (None, 0) else str(value)
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if value >= scale:
-            return f"{value / scale:.1f}{unit}"
-    return str(int(value))
-
-
 def _yes(value) -> str:
     return "—" if value is None else ("yes" if value else "no")
 
@@ -248,7 +243,7 @@ class ModelPickerScreen(Dialog):
                 status = getattr(c, "reason")
             table.add_row(
                 getattr(c, "name", "?"), getattr(c, "family", "?") or "?",
-                _human_params(getattr(c, "params", None)), str(getattr(c, "mtp_layers", "—")),
+                human_count(getattr(c, "params", None)), str(getattr(c, "mtp_layers", "—")),
                 _yes(getattr(c, "fits_device", None)), status, key=str(index),
             )
         status = self.query_one("#models-status", Label)

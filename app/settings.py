@@ -24,6 +24,7 @@ class Settings:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    ignore_eos: bool = False  # keep generating past the end-of-sequence token (benchmarking)
     system_prompt: str = ""  # default system prompt of new chats
     model: str | None = None  # the model last picked in the model picker
     keymap: dict[str, str] = field(default_factory=dict)  # binding id -> keys, e.g. {"export": "ctrl+e"}

@@ -4,8 +4,10 @@ the engine's own ``Finished.stats`` replace the live estimates."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .worker import CycleData
+if TYPE_CHECKING:
+    from .worker import CycleData
 
 SERIES_LENGTH = 120  # points kept for the sparklines
 
@@ -108,3 +110,20 @@ class ReplyStats:
     def phase_ms(self) -> dict[str, float]:
         final = self._final("phase_ms")
         return dict(final) if final else dict(self.phase_total_ms)
+
+
+def stats_line(stats: dict | None) -> str:
+    """A finished reply's numbers on one line: '52.1 tok/s · depth 2 · 71% accepted · 2.42 tok/cycle'."""
+    if not stats:
+        return ""
+    parts = []
+    if stats.get("tokens_per_s") is not None:
+        parts.append(f"{stats['tokens_per_s']:.1f} tok/s")
+    if stats.get("depth") is not None:
+        parts.append(f"depth {stats['depth']}")
+    if stats.get("drafted"):
+        if stats.get("acceptance_rate") is not None:
+            parts.append(f"{100 * stats['acceptance_rate']:.0f}% accepted")
+        if stats.get("mean_accepted_length") is not None:
+            parts.append(f"{stats['mean_accepted_length']:.2f} tok/cycle")
+    return " · ".join(parts)

@@ -81,6 +81,11 @@ class StoreError(Exception):
     pass
 
 
+def title_for(first_message: str) -> str:
+    """A conversation's title: its first user message on one line, cut at 60 characters."""
+    return " ".join(first_message.split())[:60]
+
+
 @dataclass
 class Message:
     id: int
@@ -121,7 +126,7 @@ class ConversationSummary:
 @dataclass
 class CycleRow:
     message_id: int
-    idx: int
+    index: int
     depth: int
     drafted: int
     accepted: int
@@ -254,18 +259,19 @@ class Store:
                 (conversation_id, role, content, status, model, time.time()),
             )
             if role == "user":
-                title = " ".join(content.split())[:60]
                 self.conn.execute(
-                    "UPDATE conversations SET title = ? WHERE id = ? AND title = ''", (title, conversation_id)
+                    "UPDATE conversations SET title = ? WHERE id = ? AND title = ''",
+                    (title_for(content), conversation_id),
                 )
             self._touch(conversation_id, model)
         return cur.lastrowid
 
     def append_reply(
         self, message_id: int, text: str, token_ids: list[int], sources: list[str], pieces: list[str],
-        cycles: list[CycleRow] = (),
+        cycles=(),
     ) -> None:
-        """Persist one streamed chunk of a reply and the cycles that produced it, in one transaction."""
+        """Persist one streamed chunk of a reply and the cycles that produced it, in one transaction.
+        ``cycles``: objects with CycleRow's fields (but message_id), e.g. the decode thread's CycleData."""
         with self.conn:
             self.conn.execute("BEGIN")
             if text:
@@ -280,7 +286,7 @@ class Store:
                 """INSERT INTO cycles (message_id, idx, depth, drafted, accepted, accepted_mask, committed,
                    phase_ms, t_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 [
-                    (message_id, c.idx, c.depth, c.drafted, c.accepted,
+                    (message_id, c.index, c.depth, c.drafted, c.accepted,
                      "".join("1" if a else "0" for a in c.accepted_per_position), c.committed,
                      json.dumps(c.phase_ms), c.t_ms)
                     for c in cycles

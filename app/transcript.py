@@ -9,6 +9,9 @@ Markdown renderer re-flows text, so token boundaries are lost; showing the raw t
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from markdown_it import MarkdownIt
 from textual import events
 from textual.app import ComposeResult
@@ -16,13 +19,23 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.content import Content, Span
 from textual.message import Message
+from textual.timer import Timer
 from textual.widgets import Markdown, Static, TextArea
-from textual.widgets._markdown import MarkdownFence, MarkdownStream
+from textual.widgets.markdown import MarkdownFence
 
+from .live import LiveStatic
+from .stats import stats_line
 from .store import Message as StoredMessage
 
 DRAFT_STYLE = "$draft-token-text on $draft-token"
-TARGET_STYLE = "$target-token-text"
+
+# Control characters a model may emit are shown as their Unicode "control pictures" (one character for one, so
+# highlight offsets stay exact); newline and tab are kept.
+_VISIBLE = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"} | {0x7F: 0x2421}
+
+
+def visible(text: str) -> str:
+    return text.translate(_VISIBLE)
 
 
 def highlighted(pieces: list[str], sources: list[str]) -> Content:
@@ -42,27 +55,12 @@ def highlighted(pieces: list[str], sources: list[str]) -> Content:
         offset += len(piece)
     if run_start is not None and offset > run_start:
         spans.append(Span(run_start, offset, DRAFT_STYLE))
-    return Content("".join(text_parts), spans)
+    return Content(visible("".join(text_parts)), spans, strip_control_codes=False)
 
 
 def code_blocks(markdown: str) -> list[str]:
     """The fenced and indented code blocks of a Markdown text, in order."""
     return [t.content for t in MarkdownIt("commonmark").parse(markdown) if t.type in ("fence", "code_block")]
-
-
-def stats_line(stats: dict | None) -> str:
-    if not stats:
-        return ""
-    parts = []
-    if stats.get("tokens_per_s") is not None:
-        parts.append(f"{stats['tokens_per_s']:.1f} tok/s")
-    if stats.get("depth") is not None:
-        parts.append(f"depth {stats['depth']}")
-    if stats.get("acceptance_rate") is not None and stats.get("drafted"):
-        parts.append(f"{100 * stats['acceptance_rate']:.0f}% accepted")
-    if stats.get("mean_accepted_length") is not None and stats.get("drafted"):
-        parts.append(f"{stats['mean_accepted_length']:.2f} tok/cycle")
-    return " · ".join(parts)
 
 
 class MessageView(Vertical, can_focus=True):
@@ -78,18 +76,21 @@ class MessageView(Vertical, can_focus=True):
         self.message = message
         self.highlight = highlight
         self.streaming = streaming
-        self._stream: MarkdownStream | None = None
         self._code_index = 0
+        self._timer: Timer | None = None
+        self._render_s = 0.0  # how long the last streamed render took
+        self._render_lock = asyncio.Lock()
+        self._markdown_len = len(message.content)  # characters of the reply the Markdown widget holds
 
     # composition -------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         m = self.message
         yield Static(self._header(), classes="message-header", markup=False)
         if m.role == "user":
-            yield Static(Content(m.content), classes="message-body")
+            yield Static(Content(visible(m.content), strip_control_codes=False), classes="message-body")
             return
-        yield Markdown(m.content, classes="message-body reply-markdown")
-        yield Static(self._highlight_content(), classes="message-body reply-highlight")
+        yield Markdown(visible(m.content), classes="message-body reply-markdown")
+        yield LiveStatic(self._highlight_content(), classes="message-body reply-highlight")
         yield Static(self._footer(), classes="message-footer", markup=False)
 
     def on_mount(self) -> None:
@@ -122,7 +123,7 @@ class MessageView(Vertical, can_focus=True):
         m = self.message
         if m.pieces and "".join(m.pieces).strip():
             return highlighted(m.pieces, m.sources)
-        return Content(m.content)  # no per-token data (e.g. nothing generated yet)
+        return Content(visible(m.content), strip_control_codes=False)  # no per-token data (e.g. nothing generated yet)
 
     def _show_mode(self) -> None:
         self.query_one(".reply-markdown").display = not self.highlight
@@ -130,46 +131,58 @@ class MessageView(Vertical, can_focus=True):
         self.set_class(self.highlight, "highlight")
 
     # updates -----------------------------------------------------------------------------------------
-    async def append(self, text: str, token_ids: list[int], sources: list[str], pieces: list[str]) -> None:
-        m = self.message
-        m.content += text
-        m.token_ids += token_ids
-        m.sources += sources
-        m.pieces += pieces
-        if self.highlight:
-            self.query_one(".reply-highlight", Static).update(self._highlight_content())
-        elif text:
-            if self._stream is None:
-                self._stream = Markdown.get_stream(self.query_one(".reply-markdown", Markdown))
-            await self._stream.write(text)
+    # While a reply streams, the body is re-rendered on a timer: at most 10 times a second, and less often when
+    # a render costs more (a long Markdown reply), so that rendering takes at most RENDER_SHARE of the UI
+    # thread. Rendering holds the GIL, which the decode thread needs between its kernels: on CPU, with a small
+    # model, every millisecond spent here is a millisecond of decoding lost.
+    RENDER_SHARE = 0.1
+    MIN_INTERVAL_S, MAX_INTERVAL_S = 0.1, 1.0
 
-    async def _stop_stream(self) -> None:
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
-            await stream.stop()
+    def grew(self) -> None:
+        """The streaming reply (``self.message``) has more text: render it soon."""
+        if self._timer is None:
+            delay = min(max(self._render_s / self.RENDER_SHARE, self.MIN_INTERVAL_S), self.MAX_INTERVAL_S)
+            self._timer = self.set_timer(delay, self._render_streamed)
+
+    async def _render_streamed(self) -> None:
+        self._timer = None
+        started = time.perf_counter()
+        async with self._render_lock:
+            if self.highlight:
+                self.query_one(".reply-highlight", LiveStatic).show(self._highlight_content())
+            else:
+                new = self.message.content[self._markdown_len :]
+                if new:
+                    self._markdown_len += len(new)
+                    await self.query_one(".reply-markdown", Markdown).append(visible(new))
+        self._render_s = time.perf_counter() - started
+
+    async def refresh_body(self) -> None:
+        """Render the whole body again in the current mode."""
+        async with self._render_lock:
+            if self.highlight:
+                self.query_one(".reply-highlight", Static).update(self._highlight_content())
+            else:
+                self._markdown_len = len(self.message.content)
+                await self.query_one(".reply-markdown", Markdown).update(visible(self.message.content))
 
     async def finish(self) -> None:
         """The reply is complete (or stopped or failed): render it fully and show its footer."""
         self.streaming = False
-        await self._stop_stream()
-        if self.message.role == "assistant":
+        if self._timer is not None:
+            self._timer.stop()
+            self._timer = None
+        if self.message.role == "assistant" and self.is_attached:
             await self.refresh_body()
-            self.query_one(".message-footer", Static).update(self._footer())
+            self.update_footer()
 
     def update_footer(self) -> None:
         if self.message.role == "assistant":
             self.query_one(".message-footer", Static).update(self._footer())
 
-    async def refresh_body(self) -> None:
-        if self.highlight:
-            self.query_one(".reply-highlight", Static).update(self._highlight_content())
-        else:
-            await self.query_one(".reply-markdown", Markdown).update(self.message.content)
-
     async def set_highlight(self, on: bool) -> None:
         if self.message.role != "assistant" or on == self.highlight:
             return
-        await self._stop_stream()
         self.highlight = on
         await self.refresh_body()
         self._show_mode()
@@ -205,8 +218,6 @@ class MessageView(Vertical, can_focus=True):
 class PromptInput(TextArea):
     """Multi-line prompt: Enter sends, ctrl+j (or shift+enter where the terminal reports it) adds a line."""
 
-    BINDINGS = [Binding("ctrl+j", "newline", "New line", show=False)]
-
     class Submitted(Message):
         def __init__(self, prompt: "PromptInput", text: str):
             super().__init__()
@@ -226,9 +237,6 @@ class PromptInput(TextArea):
         if event.key in ("shift+enter", "ctrl+j"):
             event.stop()
             event.prevent_default()
-            self.action_newline()
+            self.insert("\n")
             return
         await super()._on_key(event)
-
-    def action_newline(self) -> None:
-        self.insert("\n")

@@ -8,6 +8,9 @@ messages it posts. Conversations are saved to SQLite as they happen (``Store``),
 from __future__ import annotations
 
 import logging
+import os
+import sqlite3
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -16,19 +19,22 @@ from textual import on
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.screen import Screen
+from textual.content import Content
+from textual.screen import ModalScreen, Screen
+from textual.widget import Widget
 from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
 
 import themes
 
 from . import paths
 from .export import export_conversation
+from .live import LiveStatic
 from .panes import DiagnosticsPane, TimingPane
 from .screens import ConversationsScreen, ExportScreen, HelpScreen, ModelPickerScreen, SettingsScreen
 from .settings import MAX_DEPTH, Settings, load_settings, save_settings
 from .stats import ReplyStats
-from .store import Conversation, CycleRow, Message, Store, StoreError
-from .transcript import MessageView, PromptInput
+from .store import Conversation, Message, Store, StoreError, title_for
+from .transcript import DRAFT_STYLE, MessageView, PromptInput
 from .worker import (
     EngineLoaded,
     EngineLoadFailed,
@@ -47,6 +53,14 @@ from .worker import (
 
 log = logging.getLogger("mtpchat")
 
+EMPTY_HINT = Content.assemble(
+    ("Ask anything.\n\n", "bold"),
+    "The model's MTP head drafts tokens ahead and the model checks them; tokens it accepted are shown ",
+    ("like this", DRAFT_STYLE),
+    " (f2 toggles). alt+0…alt+4 sets how many tokens are drafted per cycle, even mid-reply; "
+    "f3 shows where the time goes. f1 lists every key.",
+)
+
 
 @dataclass
 class Request:
@@ -63,19 +77,20 @@ class MtpChatApp(App):
     COMMAND_PALETTE_BINDING = "ctrl+p"
 
     BINDINGS = [
-        Binding("f1", "help", "Help", id="help"),
+        # priority: the prompt (a TextArea) has its own uses for some of these keys (f6, f7)
+        Binding("f1", "help", "Help", priority=True, id="help"),
         Binding("question_mark", "help", "Help", show=False, id="help-question"),
         Binding("escape", "stop", "Stop", id="stop"),
-        Binding("f2", "toggle_highlight", "Highlights", id="highlight"),
-        Binding("f3", "pane('timing')", "Timing", id="timing"),
-        Binding("f4", "pane('diagnostics')", "Diagnostics", id="diagnostics"),
-        Binding("f5", "models", "Models", id="models"),
-        Binding("f6", "settings", "Settings", id="settings"),
-        Binding("f7", "export", "Export", id="export"),
+        Binding("f2", "toggle_highlight", "Highlights", priority=True, id="highlight"),
+        Binding("f3", "pane('timing')", "Timing", priority=True, id="timing"),
+        Binding("f4", "pane('diagnostics')", "Diagnostics", show=False, priority=True, id="diagnostics"),
+        Binding("f5", "models", "Models", priority=True, id="models"),
+        Binding("f6", "settings", "Settings", priority=True, id="settings"),
+        Binding("f7", "export", "Export", priority=True, id="export"),
         Binding("ctrl+n", "new_chat", "New chat", id="new-chat"),
-        Binding("ctrl+o", "conversations", "Open", id="conversations"),
+        Binding("ctrl+o", "conversations", "Open", show=False, id="conversations"),
         Binding("ctrl+r", "retry", "Retry", show=False, id="retry"),
-        Binding("ctrl+y", "copy_last", "Copy reply", show=False, id="copy-last"),
+        Binding("alt+c", "copy_last", "Copy reply", show=False, priority=True, id="copy-last"),
         *[
             Binding(f"alt+{d}", f"depth({d})", f"Depth {d}", show=False, priority=True, id=f"depth-{d}")
             for d in range(MAX_DEPTH + 1)
@@ -102,7 +117,6 @@ class MtpChatApp(App):
         self.depth = depth if depth is not None else self.settings.depth
         if model is None and self.settings.model and Path(self.settings.model).exists():
             model = self.settings.model
-        self.model_arg = model
         self.worker = EngineWorker(self.post_message, model, device, dtype, loader=loader)
         self.engine_state = "loading"  # loading | ready | failed
         self.model_name: str | None = None
@@ -111,6 +125,10 @@ class MtpChatApp(App):
         self.conversation: Conversation | None = None
         self.request: Request | None = None
         self.last_stats = ReplyStats()
+        self._stats_dirty = False
+        self._save_error_shown = False
+        self._picked_model: str | None = None
+        self._fallbacks_noticed: set[tuple[str, str]] = set()
         for theme in themes.load_themes():
             self.register_theme(theme)
 
@@ -119,12 +137,10 @@ class MtpChatApp(App):
         return themes.variable_defaults(self.current_theme)
 
     def _theme_changed(self, theme) -> None:
+        # highlight spans name theme variables ($draft-token), so they follow the theme without a redraw here
         if self.settings.theme != theme.name:
             self.settings.theme = theme.name
             self._save_settings()
-        for view in self.query(MessageView):
-            if view.highlight:
-                view.refresh(recompose=False)
 
     # layout ----------------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -135,7 +151,7 @@ class MtpChatApp(App):
                 with Horizontal(id="statusbar"):
                     yield Static(" accepted draft ", classes="legend-draft", id="legend-draft")
                     yield Static(" target ", classes="legend-target", id="legend-target")
-                    yield Static("", id="status")
+                    yield LiveStatic("", id="status")
                 yield PromptInput(
                     id="prompt",
                     placeholder="Message  (enter sends · ctrl+j new line · esc stops · f1 help)",
@@ -149,16 +165,21 @@ class MtpChatApp(App):
                     yield DiagnosticsPane(id="diagnostics-pane")
         yield Footer()
 
-    def on_mount(self) -> None:
+    def ui(self, selector: str, expect_type: type[Widget] = Widget) -> Widget:
+        """A widget of the chat screen, also while a dialog is on top of it."""
+        return self.chat_screen.query_one(selector, expect_type)
+
+    async def on_mount(self) -> None:
+        self.chat_screen = self.screen
         if self.get_theme(self.settings.theme) is None:
             self.settings.theme = themes.DEFAULT_THEME
         self.theme = self.settings.theme
         self.theme_changed_signal.subscribe(self, self._theme_changed)
         if self.settings.keymap:
             self.set_keymap(self.settings.keymap)
-        self.query_one("#side").display = self.settings.side_panel
-        self.query_one("#legend-draft").display = self.settings.highlight
-        self.query_one("#legend-target").display = self.settings.highlight
+        self.ui("#side").display = self.settings.side_panel
+        self.ui("#legend-draft").display = self.settings.highlight
+        self.ui("#legend-target").display = self.settings.highlight
         for warning in self.settings.warnings:
             self.notify(warning, severity="warning", timeout=8)
         try:
@@ -169,31 +190,31 @@ class MtpChatApp(App):
         conv_id = self.store.latest_conversation_id()
         if conv_id is None:
             conv_id = self.store.create_conversation(self.settings.system_prompt)
-        self.open_conversation(conv_id)
-        transcript = self.query_one("#transcript", VerticalScroll)
-        transcript.anchor()
-        self.query_one("#timing-pane", TimingPane).show(self.last_stats, self.depth)
-        self.query_one("#prompt", PromptInput).focus()
+        await self.open_conversation(conv_id)
+        self.ui("#timing-pane", TimingPane).show(self.last_stats, self.depth)
+        self.ui("#prompt", PromptInput).focus()
         self._update_status()
-        self.worker.start()
+        self.set_interval(self.STATS_REFRESH_S, self._refresh_stats)
+        self.call_after_refresh(self.worker.start)  # the first frame before torch is imported
 
     def on_unmount(self) -> None:
+        if self.request is not None and self.store is not None:  # quit mid-reply: what came is kept
+            self._saved(self.store.finish_message, self.request.message.id, "stopped", finish_reason="stop")
         self.worker.shutdown()
         if self.store is not None:
             self.store.close()
 
     # conversation ----------------------------------------------------------------------------------------
-    def open_conversation(self, conv_id: int) -> None:
+    async def open_conversation(self, conv_id: int) -> None:
         assert self.store is not None
         if self.request is not None:
             self.request.view = None  # keeps saving, no longer shown
         self.conversation = self.store.load_conversation(conv_id)
-        transcript = self.query_one("#transcript", VerticalScroll)
-        transcript.remove_children()
+        transcript = self.ui("#transcript", VerticalScroll)
+        await transcript.remove_children()
         views = [MessageView(m, highlight=self.settings.highlight) for m in self.conversation.messages]
-        if views:
-            transcript.mount_all(views)
-        prompt = self.query_one("#prompt", PromptInput)
+        await transcript.mount_all(views or [Static(EMPTY_HINT, id="empty-hint")])
+        prompt = self.ui("#prompt", PromptInput)
         with prompt.prevent(PromptInput.Changed):
             prompt.load_text(self.conversation.draft)
         prompt.move_cursor(prompt.document.end)
@@ -206,20 +227,31 @@ class MtpChatApp(App):
         return f"{model} — {title}" if title else model
 
     def history(self) -> list[dict]:
-        """What the model sees: system prompt, then the turns (failed empty replies left out)."""
+        """What the model sees: the system prompt, then the turns (failed or empty replies left out)."""
         conv = self.conversation
         messages = [{"role": "system", "content": conv.system_prompt}] if conv.system_prompt.strip() else []
         for m in conv.messages:
-            if m.role == "assistant" and (m.status in ("streaming",) or not m.content.strip()):
+            if m.role == "assistant" and (m.status in ("streaming", "error") or not m.content.strip()):
                 continue
             messages.append({"role": m.role, "content": m.content})
         return messages
+
+    def _saved(self, write, *args, **kwargs) -> bool:
+        """Run a store write; a failure (disk full, file removed) is reported once and the app keeps going."""
+        try:
+            write(*args, **kwargs)
+            return True
+        except sqlite3.Error as exc:
+            if not self._save_error_shown:
+                self._save_error_shown = True
+                self.notify(f"Could not save the conversation: {exc}", severity="error", timeout=15)
+            return False
 
     @on(PromptInput.Changed, "#prompt")
     def _draft_changed(self, event: PromptInput.Changed) -> None:
         if self.store and self.conversation and event.text_area.text != self.conversation.draft:
             self.conversation.draft = event.text_area.text
-            self.store.set_draft(self.conversation.id, self.conversation.draft)
+            self._saved(self.store.set_draft, self.conversation.id, self.conversation.draft)
 
     @on(PromptInput.Submitted, "#prompt")
     async def _submit(self, event: PromptInput.Submitted) -> None:
@@ -232,18 +264,25 @@ class MtpChatApp(App):
         if self.engine_state == "failed":
             self.notify("No model is loaded — pick one with f5. Your message is kept.", severity="error")
             return
-        prompt = self.query_one("#prompt", PromptInput)
+        prompt = self.ui("#prompt", PromptInput)
         conv = self.conversation
-        user = self._add_message("user", text)
+        try:
+            user = self._add_message("user", text)
+        except sqlite3.Error as exc:
+            self.notify(f"Could not save the message: {exc}. It is kept in the input.", severity="error")
+            return
         prompt.clear()  # fires Changed -> the stored draft is cleared
-        conv.title = conv.title or " ".join(text.split())[:60]
+        conv.title = conv.title or title_for(text)
         self.sub_title = self._subtitle()
         await self._mount_message(user)
         await self.generate()
 
     async def _mount_message(self, message: Message, streaming: bool = False) -> MessageView:
         view = MessageView(message, highlight=self.settings.highlight, streaming=streaming)
-        await self.query_one("#transcript", VerticalScroll).mount(view)
+        transcript = self.ui("#transcript", VerticalScroll)
+        for hint in transcript.query("#empty-hint"):
+            await hint.remove()
+        await transcript.mount(view)
         return view
 
     def _add_message(self, role: str, content: str = "", **kwargs) -> Message:
@@ -259,13 +298,13 @@ class MtpChatApp(App):
         view = await self._mount_message(reply, streaming=True)
         self.request = Request(reply, view)
         self.request.stats.depth = self.depth
-        self.query_one("#transcript", VerticalScroll).anchor()
+        self.ui("#transcript", VerticalScroll).anchor()
         s = self.settings
         self.worker.submit(Generate(
             reply.id,
             self.history(),
             dict(max_new_tokens=s.max_new_tokens, depth=self.depth, temperature=s.temperature, top_p=s.top_p,
-                 top_k=s.top_k, seed=s.seed),
+                 top_k=s.top_k, seed=s.seed, ignore_eos=s.ignore_eos),
         ))
         self._show_stats()
         self._update_status()
@@ -273,27 +312,36 @@ class MtpChatApp(App):
     # engine messages -------------------------------------------------------------------------------------
     def on_engine_loading(self, message: EngineLoading) -> None:
         self.engine_state = "loading"
-        self.query_one("#diagnostics-pane", DiagnosticsPane).show_loading(message.model)
+        self.ui("#diagnostics-pane", DiagnosticsPane).show_loading(message.model)
         self.sub_title = self._subtitle()
         self._update_status()
 
     def on_engine_loaded(self, message: EngineLoaded) -> None:
         self.engine_state = "ready"
+        self._fallbacks_noticed.clear()
         self.model_name = getattr(message.info, "name", None) or "model"
         self.model_path = str(getattr(message.info, "path", "") or "") or None
-        self.query_one("#diagnostics-pane", DiagnosticsPane).show(message.info, message.diagnostics)
+        self.ui("#diagnostics-pane", DiagnosticsPane).show(message.info, message.diagnostics)
+        picked, self._picked_model = self._picked_model, None
+        if picked and self.model_path and os.path.realpath(picked) == os.path.realpath(self.model_path):
+            self.settings.model = picked
+            self._save_settings()
         self.sub_title = self._subtitle()
         self._update_status()
 
     def on_engine_load_failed(self, message: EngineLoadFailed) -> None:
         what = message.model or "the default model"
+        self._picked_model = None
+        if message.model is not None and message.model == self.settings.model:
+            self.settings.model = None  # do not try it again at the next start
+            self._save_settings()
         if message.kept:
             self.notify(f"Could not load {what}: {message.error}\nStill using {message.kept}.",
                         severity="error", timeout=15)
             return
         self.engine_state = "failed"
         self.model_name = None
-        self.query_one("#diagnostics-pane", DiagnosticsPane).show_failed(message.error)
+        self.ui("#diagnostics-pane", DiagnosticsPane).show_failed(message.error)
         self.notify(f"Could not load {what}: {message.error}\nPick another model with f5.",
                     severity="error", timeout=15)
         self.sub_title = self._subtitle()
@@ -304,30 +352,32 @@ class MtpChatApp(App):
         return request if request is not None and request.message.id == request_id else None
 
     def on_reply_started(self, message: ReplyStarted) -> None:
-        request = self._current(message.request_id)
-        if request is not None and message.fallbacks:
-            reasons = "; ".join(f"{f['feature']}: {f['reason']}" for f in message.fallbacks)
-            self.notify(f"Fallback — {reasons}", severity="warning", timeout=8)
+        # a request decoded without speculation is worth a notice (once per reason); the environment's
+        # fallbacks (e.g. no CUDA) are in the diagnostics pane
+        for fallback in message.fallbacks:
+            key = (fallback["feature"], fallback["reason"])
+            if fallback["feature"] == "speculation" and key not in self._fallbacks_noticed:
+                self._fallbacks_noticed.add(key)
+                self.notify(f"Plain decoding: {fallback['reason']}", severity="warning", timeout=8)
 
-    async def on_reply_progress(self, message: ReplyProgress) -> None:
+    def on_reply_progress(self, message: ReplyProgress) -> None:
         request = self._current(message.request_id)
         if request is None:
             return
-        self.store.append_reply(
-            message.request_id, message.text, message.token_ids, message.sources, message.pieces,
-            [CycleRow(message.request_id, c.index, c.depth, c.drafted, c.accepted, c.accepted_per_position,
-                      c.committed, c.phase_ms, c.t_ms) for c in message.cycles],
-        )
+        self._saved(self.store.append_reply, message.request_id, message.text, message.token_ids, message.sources,
+                    message.pieces, message.cycles)
         stats = request.stats
         stats.add_tokens(len(message.token_ids), message.t_ms)
         for cycle in message.cycles:
             stats.add_cycle(cycle)
+        reply = request.message
+        reply.content += message.text
+        reply.token_ids += message.token_ids
+        reply.sources += message.sources
+        reply.pieces += message.pieces
         if request.view is not None:
-            await request.view.append(message.text, message.token_ids, message.sources, message.pieces)
-        else:
-            request.message.content += message.text
-        self._show_stats()
-        self._update_status()
+            request.view.grew()
+        self._stats_dirty = True  # shown by _refresh_stats at a few Hz
 
     async def on_reply_finished(self, message: ReplyFinished) -> None:
         request = self._current(message.request_id)
@@ -337,8 +387,8 @@ class MtpChatApp(App):
         reply = request.message
         reply.status, reply.finish_reason, reply.stats, reply.fallbacks = (
             status, message.reason, message.stats, message.fallbacks)
-        self.store.finish_message(reply.id, status, finish_reason=message.reason, stats=message.stats,
-                                  fallbacks=message.fallbacks)
+        self._saved(self.store.finish_message, reply.id, status, finish_reason=message.reason,
+                    stats=message.stats, fallbacks=message.fallbacks)
         request.stats.final = message.stats
         await self._end_request(request)
 
@@ -348,23 +398,36 @@ class MtpChatApp(App):
             return
         reply = request.message
         reply.status, reply.error = "error", message.error
-        self.store.finish_message(reply.id, "error", error=message.error)
+        self._saved(self.store.finish_message, reply.id, "error", error=message.error)
         self.notify(f"Generation failed: {message.error}\nThe conversation is kept; ctrl+r retries.",
                     severity="error", timeout=15)
         await self._end_request(request)
 
     async def _end_request(self, request: Request) -> None:
-        self.request = None
-        self.last_stats = request.stats
-        if request.view is not None:
-            await request.view.finish()
-        self._show_stats()
-        self._update_status()
+        try:
+            if request.view is not None:
+                await request.view.finish()
+        finally:
+            self.request = None
+            self.last_stats = request.stats
+            self._show_stats()
+            self._update_status()
 
     # display ---------------------------------------------------------------------------------------------
+    STATS_REFRESH_S = 0.5  # the timing pane and status line follow a streaming reply at 2 Hz
+
+    def _refresh_stats(self) -> None:
+        if self._stats_dirty and self.chat_screen.is_attached:
+            self._show_stats()
+            self._update_status()
+
     def _show_stats(self) -> None:
+        side = self.ui("#side", TabbedContent)
+        if not (side.display and side.active == "timing"):
+            return  # hidden: shown when the pane opens (action_pane)
+        self._stats_dirty = False
         stats = self.request.stats if self.request else self.last_stats
-        self.query_one("#timing-pane", TimingPane).show(stats, self.depth)
+        self.ui("#timing-pane", TimingPane).show(stats, self.depth)
 
     def _update_status(self) -> None:
         parts = []
@@ -380,7 +443,7 @@ class MtpChatApp(App):
             parts.append("generating…" + (f" {tps:.0f} tok/s" if tps else "") + " (esc stops)")
         elif self.engine_state == "ready":
             parts.append("ready")
-        self.query_one("#status", Static).update(" · ".join(p for p in parts if p))
+        self.ui("#status", LiveStatic).show(" · ".join(p for p in parts if p))
 
     def _save_settings(self) -> None:
         try:
@@ -389,6 +452,14 @@ class MtpChatApp(App):
             self.notify(f"Could not save settings: {exc}", severity="error")
 
     # actions ---------------------------------------------------------------------------------------------
+    MAIN_SCREEN_ACTIONS = {"help", "models", "settings", "export", "new_chat", "conversations", "retry", "pane"}
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        # dialogs open from the chat screen only (the keys pass through to an open dialog instead)
+        if action in self.MAIN_SCREEN_ACTIONS and isinstance(self.screen, ModalScreen):
+            return False
+        return True
+
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
@@ -416,14 +487,14 @@ class MtpChatApp(App):
         on = not self.settings.highlight
         self.settings.highlight = on
         self._save_settings()
-        self.query_one("#legend-draft").display = on
-        self.query_one("#legend-target").display = on
-        for view in self.query(MessageView):
+        self.ui("#legend-draft").display = on
+        self.ui("#legend-target").display = on
+        for view in self.chat_screen.query(MessageView):
             await view.set_highlight(on)
         self.notify("Acceptance highlights on" if on else "Acceptance highlights off", timeout=2)
 
     def action_pane(self, tab: str) -> None:
-        side = self.query_one("#side", TabbedContent)
+        side = self.ui("#side", TabbedContent)
         if side.display and side.active == tab:
             side.display = False
         else:
@@ -433,14 +504,17 @@ class MtpChatApp(App):
         self._save_settings()
         self._show_stats()
 
+    @on(TabbedContent.TabActivated, "#side")
+    def _tab_activated(self) -> None:
+        self._show_stats()
+
     def action_models(self) -> None:
         def chosen(path: str | None) -> None:
             if path is None:
                 return
             if self.request is not None:
                 self.worker.submit(Stop())
-            self.settings.model = path
-            self._save_settings()
+            self._picked_model = path  # remembered in the settings once it has loaded
             self.worker.submit(SwitchModel(path))
 
         self.push_screen(ModelPickerScreen(self.model_path or self.model_name), chosen)
@@ -481,16 +555,16 @@ class MtpChatApp(App):
             self.notify("This chat is already empty", timeout=2)
             return
         conv_id = self.store.create_conversation(self.settings.system_prompt, self.model_name)
-        self.open_conversation(conv_id)
+        await self.open_conversation(conv_id)
         self._show_stats()
 
     def action_conversations(self) -> None:
-        def chosen(conv_id: int | None) -> None:
+        async def chosen(conv_id: int | None) -> None:
             if conv_id is None or conv_id == self.conversation.id:
                 return
             if self.request is not None:
                 self.worker.submit(Stop())
-            self.open_conversation(conv_id)
+            await self.open_conversation(conv_id)
 
         self.push_screen(
             ConversationsScreen(self.store.list_conversations, self.store.delete_conversation,
@@ -511,7 +585,7 @@ class MtpChatApp(App):
         if messages[-1].role == "assistant":
             last = messages.pop()
             self.store.delete_message(last.id)
-            views = self.query(MessageView)
+            views = self.chat_screen.query(MessageView)
             if views and views.last().message.id == last.id:
                 await views.last().remove()
         if messages and messages[-1].role == "user":
@@ -550,9 +624,31 @@ class MtpChatApp(App):
         yield SystemCommand("Help", "Keys and what they do", self.action_help)
 
 
+def reserve_ui_core() -> None:
+    """Leave one CPU core to the UI thread: torch's intra-op threads busy-wait, and when they take every core
+    the UI thread and they slow each other down badly (measured on 2 cores: the tiny test model decoded at
+    ~10 tok/s with 2 torch threads under load, ~190 tok/s with 1). Respects an explicit OMP_NUM_THREADS."""
+    cores = os.cpu_count() or 1
+    if cores < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    torch = sys.modules.get("torch")  # already imported by the caller: adjust it; else set the env var early
+    if torch is not None:
+        if torch.get_num_threads() >= cores:
+            torch.set_num_threads(cores - 1)
+    else:
+        os.environ["OMP_NUM_THREADS"] = str(cores - 1)
+
+
 def run_tui(model: str | None = None, depth: int | None = None, device: str | None = None,
             dtype: str | None = None) -> int:
     """Run the TUI until the user quits; returns the exit status."""
+    reserve_ui_core()
+    try:  # tracebacks of failed loads and requests go to a file (the terminal belongs to the UI)
+        paths.data_dir().mkdir(parents=True, exist_ok=True)
+        logging.basicConfig(filename=paths.log_path(), level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    except OSError:
+        pass
     app = MtpChatApp(model=model, depth=depth, device=device, dtype=dtype)
     app.run()
     return app.return_code or 0

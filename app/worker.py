@@ -15,8 +15,7 @@ import logging
 import queue
 import threading
 import time
-import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from textual.message import Message
@@ -249,7 +248,7 @@ class EngineWorker:
             self.engine = self.loader(model, self.device, self.dtype)
             diagnostics = self.engine.diagnostics()
         except Exception as exc:  # a failed load leaves the app usable
-            log.debug("load failed: %s", traceback.format_exc())
+            log.warning("loading %s failed", model or "the default model", exc_info=True)
             message, _ = describe_error(exc)
             self.engine = None
             kept = None
@@ -272,15 +271,17 @@ class EngineWorker:
         self._close()  # free its memory before loading the next one
         self._load(model, previous)
 
-    def _drain(self, control) -> list[Command]:
-        """Apply queued Stop/SetDepth to the running request; keep the rest for later."""
+    def _drain(self, control=None) -> list[Command]:
+        """Take the queued commands: Stop / SetDepth go to the running request (dropped when there is none),
+        Shutdown is noted, Generate / SwitchModel are returned to run next, in order."""
         later = []
         while True:
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 return later
-            self._apply(control, command)
+            if control is not None:
+                self._apply(control, command)
             if isinstance(command, Shutdown):
                 self._shutdown = True
             elif isinstance(command, (Generate, SwitchModel)):
@@ -290,7 +291,7 @@ class EngineWorker:
         rid = command.request_id
         if self.engine is None:
             self.post(ReplyFailed(rid, "no model is loaded — pick one with the model picker (F5)"))
-            return self._drain_idle()
+            return self._drain()
         from engine import DecodeControl, GenerationSettings
         from engine.events import Cycle, Finished, Started, Tokens
 
@@ -341,24 +342,11 @@ class EngineWorker:
                 if now - last_flush >= FLUSH_INTERVAL_S:
                     flush(now)
         except Exception as exc:  # engine errors, OOM: report, keep the thread and the engine
-            log.debug("generation failed: %s", traceback.format_exc())
+            log.warning("generation failed", exc_info=True)
             flush(time.perf_counter())
             message, oom = describe_error(exc)
             self.post(ReplyFailed(rid, message, out_of_memory=oom))
         finally:
             with self._lock:
                 self._control = None
-        return later + self._drain_idle()
-
-    def _drain_idle(self) -> list[Command]:
-        """Commands that arrived during a request: drop stale Stop/SetDepth, keep the others in order."""
-        later = []
-        while True:
-            try:
-                command = self.commands.get_nowait()
-            except queue.Empty:
-                return later
-            if isinstance(command, Shutdown):
-                self._shutdown = True
-            elif isinstance(command, (Generate, SwitchModel)):
-                later.append(command)
+        return later + self._drain()

@@ -1,0 +1,357 @@
+"""The TUI driven by Textual's Pilot, with the real engine on a real tiny checkpoint (tests/fixtures.py) or the
+embedded demo model. No mocks: the decode thread loads and runs the engine as it does for a user."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+import pytest
+from app_support import home  # noqa: F401 (a fixture)
+from app_support import run_async, send, wait_loaded, wait_reply, wait_until, write_settings
+from textual.widgets import DataTable, Input, Label, Markdown, Static
+
+from app.screens import ExportScreen, ModelPickerScreen
+from app.store import Store
+from app.transcript import DRAFT_STYLE, MessageView, PromptInput, visible
+from app.tui import MtpChatApp
+
+SIZE = (110, 36)
+DEMO = Path(__file__).resolve().parents[1] / "engine" / "assets" / "demo"
+
+
+@pytest.fixture
+def model(ckpt) -> str:
+    return str(ckpt("next"))
+
+
+def draft_spans(view: MessageView) -> list:
+    content = view.query_one(".reply-highlight", Static).visual
+    return [s for s in content.spans if s.style == DRAFT_STYLE]
+
+
+@run_async
+async def test_reply_streams_and_is_saved(home, model):
+    write_settings(max_new_tokens=40, depth=2, highlight=False)  # Markdown mode
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        assert app.engine_state == "ready" and app.model_name == Path(model).name
+        await send(pilot, app, "Hello, how are you today?")
+        reply = await wait_reply(pilot, app)
+        view = app.query(MessageView).last()
+        assert view.query_one(".reply-markdown", Markdown).source == visible(reply.content)
+        assert not app.query_one("#legend-draft").display
+        assert reply.role == "assistant" and reply.status == "complete"
+        assert len(reply.token_ids) == len(reply.sources) == len(reply.pieces) > 0
+        assert "".join(reply.pieces) == reply.content
+        assert reply.stats["depth"] == 2 and reply.stats["cycles"] >= 1
+        # the timing pane shows the reply's numbers
+        summary = str(app.query_one("#timing-summary", Static).visual)
+        assert summary and app.query_one("#prompt", PromptInput).text == ""
+    stored = Store().load_conversation(app.conversation.id).messages
+    assert [m.role for m in stored] == ["user", "assistant"]
+    assert stored[1].token_ids == reply.token_ids and stored[1].sources == reply.sources
+    assert len(Store().cycles(app.conversation.id)) == reply.stats["cycles"]
+    chunks = Store().conn.execute("SELECT COUNT(*) FROM token_chunks WHERE message_id = ?", (reply.id,)).fetchone()[0]
+    assert chunks >= 2  # streamed (and saved) in several coalesced chunks, not in one piece at the end
+
+
+@pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="the embedded demo model is not built yet")
+@run_async
+async def test_accepted_drafts_are_highlighted_live_and_after_reopen(home):
+    write_settings(max_new_tokens=60, depth=3)
+    app = MtpChatApp(model=str(DEMO))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app, timeout=60)
+        await send(pilot, app, "hi, how are you?")  # small talk: the demo model's MTP head drafts it well
+        view = app.query(MessageView).last()
+        await wait_until(pilot, lambda: draft_spans(view) or app.request is None, 30, "a highlighted draft")
+        reply = await wait_reply(pilot, app, 60)
+        assert "draft" in reply.sources and draft_spans(view)
+        spans = [(s.start, s.end) for s in draft_spans(view)]
+        assert app.query_one("#legend-draft").display
+        await pilot.press("f2")  # off: Markdown, no spans shown
+        assert not view.query_one(".reply-highlight").display and view.query_one(".reply-markdown").display
+        await pilot.press("f2")
+    app2 = MtpChatApp(model=str(DEMO))
+    async with app2.run_test(size=SIZE) as pilot:
+        view = app2.query(MessageView).last()
+        assert view.message.sources == reply.sources
+        assert [(s.start, s.end) for s in draft_spans(view)] == spans
+
+
+@run_async
+async def test_depth_change_mid_reply_reaches_the_next_cycles(home, model):
+    write_settings(max_new_tokens=5000, depth=2, ignore_eos=True)  # runs until stopped
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        await send(pilot, app, "Tell me a story about a cat.")
+        await wait_until(pilot, lambda: app.request is None or app.request.stats.cycles >= 1, 20, "a cycle")
+        assert app.request is not None
+        seen_before = app.request.stats.cycles
+        await pilot.press("alt+3")  # priority binding: works while the prompt has focus
+        assert app.depth == 3 and app.query_one("#prompt", PromptInput).text == ""
+        assert "speculation depth  3" in str(app.query_one("#timing-depth", Static).visual)
+        request = app.request
+        await wait_until(pilot, lambda: request.stats.last_cycle.depth == 3 or app.request is None, 20, "depth 3")
+        await pilot.pause(0.1)
+        view = app.query(MessageView).last()
+        assert app.request is not None and view.streaming
+        assert str(view.query_one(".reply-highlight", Static).visual)  # rendered while streaming
+        await pilot.press("escape")
+        reply = await wait_reply(pilot, app)
+        rows = Store().cycles(app.conversation.id)
+        assert all(r.depth == 2 for r in rows[:seen_before])
+        assert any(r.depth == 3 for r in rows[seen_before:]), [r.depth for r in rows]
+        assert reply.stats["depth"] == 3 and "(last cycle: 3)" in str(app.query_one("#timing-depth", Static).visual)
+        assert app.settings.depth == 3  # remembered
+
+
+@run_async
+async def test_escape_stops_and_the_app_stays_usable(home, model):
+    write_settings(max_new_tokens=5000, depth=2, ignore_eos=True)  # runs until stopped
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        await send(pilot, app, "Tell me a story about a cat.")
+        await wait_until(pilot, lambda: app.request and app.request.stats.tokens >= 2, 20, "tokens")
+        await pilot.press("escape")
+        reply = await wait_reply(pilot, app)
+        assert reply.status == "stopped" and reply.finish_reason == "stop"
+        assert len(reply.token_ids) < 5000
+        app.settings.max_new_tokens = 4
+        await send(pilot, app, "Hello")
+        again = await wait_reply(pilot, app)
+        assert again.status == "complete" and again.finish_reason in ("length", "eos")
+    statuses = [m.status for m in Store().load_conversation(app.conversation.id).messages]
+    assert statuses == ["complete", "stopped", "complete", "complete"]
+
+
+@run_async
+async def test_export_dialog_writes_files_and_shows_errors(home, model, tmp_path):
+    write_settings(max_new_tokens=10, depth=2)
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        await send(pilot, app, "Hello")
+        reply = await wait_reply(pilot, app)
+
+        await pilot.press("f7")
+        await pilot.pause()
+        assert isinstance(app.screen, ExportScreen)
+        assert app.screen.query_one("#export-dir", Input).value.endswith(str(Path("data") / "exports"))
+        blocker = tmp_path / "not-a-dir"
+        blocker.write_text("")
+        app.screen.query_one("#export-dir", Input).value = str(blocker / "x")
+        await pilot.click("#export")
+        assert isinstance(app.screen, ExportScreen)  # stays open, says why
+        assert "export failed" in str(app.screen.query_one("#export-error", Label).visual)
+
+        out = tmp_path / "exports"
+        directory = app.screen.query_one("#export-dir", Input)
+        directory.value = str(out)
+        directory.focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        assert not isinstance(app.screen, ExportScreen)
+    files = {p.suffix: p for p in out.iterdir()}
+    assert set(files) == {".md", ".json", ".csv", ".jsonl"}
+    assert "Hello" in files[".md"].read_text()
+    tokens = json.loads(files[".json"].read_text())["messages"][1]["tokens"]
+    assert [t["source"] for t in tokens] == reply.sources and [t["id"] for t in tokens] == reply.token_ids
+    rows = list(csv.DictReader(files[".csv"].open()))
+    assert len(rows) == reply.stats["cycles"] and "verify_ms" in rows[0]
+    assert len(files[".jsonl"].read_text().splitlines()) == reply.stats["cycles"]
+
+
+@run_async
+async def test_restart_reopens_the_conversation_and_the_draft(home, model):
+    write_settings(max_new_tokens=8, depth=1, theme="mtp-paper")
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        assert app.theme == "mtp-paper"
+        await wait_loaded(pilot, app)
+        await send(pilot, app, "Hello there")
+        reply = await wait_reply(pilot, app)
+        await pilot.press(*"unsent")
+        await pilot.press("ctrl+j")
+        await pilot.press(*"draft")
+        app.theme = "mtp-dusk"
+        await pilot.pause()
+    app2 = MtpChatApp(model=model)
+    async with app2.run_test(size=SIZE) as pilot:
+        views = list(app2.query(MessageView))
+        assert [v.message.content for v in views] == ["Hello there", reply.content]
+        assert views[1].message.sources == reply.sources
+        assert app2.query_one("#prompt", PromptInput).text == "unsent\ndraft"
+        assert app2.theme == "mtp-dusk"  # the theme is remembered
+        await pilot.press("ctrl+n")
+        assert list(app2.query(MessageView)) == []
+        assert len(app2.store.list_conversations()) == 2
+
+
+@run_async
+async def test_failed_load_is_a_notice_and_a_good_model_can_be_picked(home, model, tmp_path):
+    write_settings(max_new_tokens=6)
+    app = MtpChatApp(model=str(tmp_path / "no-such-model"))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        assert app.engine_state == "failed"
+        notices = [n.message for n in app._notifications]
+        assert any("Could not load" in n and "no-such-model" in n for n in notices), notices
+        await send(pilot, app, "keep me")
+        assert app.query_one("#prompt", PromptInput).text == "keep me"  # nothing typed is lost
+        assert app.conversation.messages == []
+
+        await pilot.press("f5")
+        await pilot.pause()
+        assert isinstance(app.screen, ModelPickerScreen)
+        app.screen.query_one("#models-path", Input).value = model
+        await pilot.click("#load")
+        await wait_until(pilot, lambda: app.engine_state == "ready", 20, "the picked model")
+        assert app.model_name == Path(model).name
+        await send(pilot, app, "keep me")
+        reply = await wait_reply(pilot, app)
+        assert reply.role == "assistant" and reply.status == "complete"
+        assert app.conversation.messages[0].content == "keep me"
+
+
+@run_async
+async def test_an_engine_error_is_a_notice_and_the_next_request_works(home, model):
+    # top-p 7 reaches the engine (the settings screen would refuse it), which raises EngineError
+    write_settings(max_new_tokens=6, depth=2)
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        app.settings.top_p = 7.0
+        await send(pilot, app, "Hello")
+        failed = await wait_reply(pilot, app)
+        assert failed.status == "error" and "top-p" in failed.error
+        assert any("Generation failed" in n.message for n in app._notifications)
+        app.settings.top_p = 1.0
+        await pilot.press("ctrl+r")  # retry the same turn
+        retried = await wait_reply(pilot, app)
+        assert retried.status == "complete" and retried.content
+        assert [m.role for m in app.conversation.messages] == ["user", "assistant"]
+
+
+@run_async
+async def test_settings_screen_validates_and_saves(home, model):
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f6")
+        screen = app.screen
+        screen.query_one("#set-top-p", Input).value = "3"
+        await pilot.press("ctrl+s")
+        assert app.screen is screen and "top-p" in str(screen.query_one("#settings-error", Label).visual)
+        screen.query_one("#set-top-p", Input).value = "0.9"
+        screen.query_one("#set-max", Input).value = "77"
+        screen.query_one("#set-system").load_text("You are terse.")
+        await pilot.press("ctrl+s")
+        assert app.screen is not screen
+        assert (app.settings.top_p, app.settings.max_new_tokens) == (0.9, 77)
+        assert app.conversation.system_prompt == "You are terse."
+        assert app.history()[0] == {"role": "system", "content": "You are terse."}
+        await pilot.press("f1")
+        assert "ctrl+j" in str(app.screen.query_one("#help-keys", Static).visual)
+        await pilot.press("escape")
+
+
+@run_async
+async def test_conversations_copy_and_command_palette(home, model):
+    write_settings(max_new_tokens=4, depth=2)
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        await send(pilot, app, "first chat")
+        await wait_reply(pilot, app)
+        first_id = app.conversation.id
+        await pilot.press("ctrl+n")
+        await send(pilot, app, "second chat")
+        second = await wait_reply(pilot, app)
+
+        # copy: a focused message (c), the last reply from anywhere (alt+c)
+        view = app.query(MessageView).first()
+        view.focus()
+        await pilot.press("c")
+        assert app.clipboard == "second chat"
+        await pilot.press("alt+c")
+        assert app.clipboard == second.content
+
+        # reopen the first conversation
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        table = app.screen.query_one(DataTable)
+        assert table.row_count == 2
+        table.move_cursor(row=1)  # newest first: the first chat is the second row
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.conversation.id == first_id, 5, "the first chat")
+        assert [v.message.content for v in app.query(MessageView)][0] == "first chat"
+
+        # the command palette sets the depth
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"Depth 4")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.depth == 4, 5, "depth 4 from the palette")
+
+
+@run_async
+async def test_switching_models_without_restarting(home, model, ckpt, monkeypatch, tmp_path):
+    other = str(ckpt("q35"))  # a Qwen3.5 (wrapped) checkpoint
+    monkeypatch.setenv("MTPCHAT_MODELS", os.pathsep.join([model, other]))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hf-cache"))
+    write_settings(max_new_tokens=4)
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        await pilot.press("f5")
+        picker = app.screen
+        assert isinstance(picker, ModelPickerScreen)
+        await wait_until(pilot, lambda: len(picker.candidates) >= 2, 20, "discovered models")
+        table = picker.query_one(DataTable)
+        row = next(i for i, c in enumerate(picker.candidates) if c.path == other)
+        table.move_cursor(row=row)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.engine_state == "ready" and app.model_path == other, 20, "the switch")
+        assert app.settings.model == other  # remembered for the next start
+        await send(pilot, app, "Hello")
+        assert (await wait_reply(pilot, app)).model == Path(other).name
+
+        # a model that fails to load: the one that worked stays loaded
+        await pilot.press("f5")
+        await pilot.pause()
+        app.screen.query_one("#models-path", Input).value = str(tmp_path / "broken")
+        await pilot.click("#load")
+        await wait_until(pilot, lambda: any("Still using" in n.message for n in app._notifications), 20, "notice")
+        await wait_until(pilot, lambda: app.engine_state == "ready", 20, "the old model back")
+        assert app.model_path == other
+        assert app.settings.model == other  # the failed pick is not remembered
+
+
+@run_async
+async def test_the_transcript_follows_the_stream_only_from_the_bottom(home, model):
+    write_settings(max_new_tokens=5000, depth=2, ignore_eos=True)
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=(70, 20)) as pilot:
+        await wait_loaded(pilot, app)
+        await send(pilot, app, "Tell me a story about a cat.")
+        transcript = app.query_one("#transcript")
+        await wait_until(pilot, lambda: transcript.max_scroll_y > 3, 20, "an overflowing reply")
+        at_bottom = lambda: transcript.scroll_y == transcript.max_scroll_y  # noqa: E731
+        await wait_until(pilot, at_bottom, 5, "following the stream")
+        transcript.scroll_to(y=0, animate=False)  # the reader scrolls up: stop following
+        grown = transcript.max_scroll_y
+        await wait_until(pilot, lambda: transcript.max_scroll_y > grown + 2, 20, "more text")
+        assert transcript.scroll_y == 0
+        transcript.scroll_end(animate=False)  # back at the bottom: follow again
+        grown = transcript.max_scroll_y
+        await wait_until(pilot, lambda: transcript.max_scroll_y > grown + 2, 20, "more text")
+        await wait_until(pilot, at_bottom, 5, "following the stream again")
+        await pilot.press("escape")
+        await wait_reply(pilot, app)
