@@ -64,17 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.errors import EngineError
-
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv if argv else ["chat"])
-    try:
-        if args.command in (None, "chat"):
-            from .tui import run_tui
+    if args.command in (None, "chat"):  # the TUI reports its own errors; torch loads on its engine thread
+        from .tui import run_tui
 
-            return run_tui(getattr(args, "model", None), getattr(args, "depth", None),
-                           getattr(args, "device", None), getattr(args, "dtype", None))
+        return run_tui(getattr(args, "model", None), getattr(args, "depth", None),
+                       getattr(args, "device", None), getattr(args, "dtype", None))
+    from engine.errors import EngineError
+
+    try:
         module = {"run": "cmd_run", "bench": "cmd_bench", "models": "cmd_models", "doctor": "cmd_doctor"}[args.command]
         return __import__(f"app.{module}", fromlist=["run"]).run(args)
     except EngineError as e:

@@ -11,12 +11,8 @@ import statistics
 import sys
 import time
 
-import torch
-
-from engine import Engine, GenerationSettings, load_engine
-from engine.drafters import OracleDrafter
-from engine.errors import EngineError
-from engine.events import Finished, Tokens
+# torch and the engine are imported inside the functions: building the CLI parser must not load torch
+# (the chat's first frame waits for it).
 
 HBM_PEAK = {"H200": 4.8e12, "H100": 3.35e12}
 
@@ -37,12 +33,16 @@ def add_parser(sub) -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
     p.add_argument("--no-graphs", action="store_true", help="eager verify steps only (no CUDA graphs)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sample (speculative sampling) instead of greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the JSON result to this file")
     add_tp_arg(p)
 
 
 def _ints(text: str, flag: str) -> list[int]:
+    from engine.errors import EngineError
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -50,6 +50,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _floats(text: str, flag: str) -> list[float]:
+    from engine.errors import EngineError
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -60,14 +61,17 @@ def _floats(text: str, flag: str) -> list[float]:
 
 
 def _sync(dev):
+    import torch
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
 
-def measure(engine: Engine, prompt, depth: int, n: int, repeat: int, make_drafter=None) -> dict:
+def measure(engine: Engine, prompt, depth: int, n: int, repeat: int, make_drafter=None, sampling=None) -> dict:
+    from engine import GenerationSettings
+    from engine.events import Finished, Tokens
     runs = []
     for i in range(repeat + 1):  # the first run warms up (allocations, autotuning)
-        settings = GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True)
+        settings = GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True, **(sampling or {}), seed=i)
         drafter = make_drafter() if make_drafter else None
         tokens, fin = [], None
         for ev in engine.generate(prompt, settings, drafter=drafter):
@@ -89,6 +93,7 @@ def measure(engine: Engine, prompt, depth: int, n: int, repeat: int, make_drafte
 
 
 def hf_generate(engine: Engine, prompt, n: int, repeat: int) -> float | None:
+    import torch
     lm, dev = engine.trunk.lm, engine.trunk.device
     ids = torch.tensor([prompt], device=dev)
     times = []
@@ -120,7 +125,7 @@ def run(args) -> int:
 def _bench_rank(args, group) -> int:
     """One rank of `bench --tp N`: its shard of the model (real or random weights), the same rows as rank 0.
     Eager verify steps: CUDA graphs are off under tensor parallelism (see engine.api.load_engine)."""
-    from engine import tp
+    from engine import Engine, load_engine, tp
 
     if args.random_weights:
         engine = Engine(tp.random_model(args.random_weights, args.layers, group, args.dtype), None, set(),
@@ -131,6 +136,8 @@ def _bench_rank(args, group) -> int:
 
 
 def _check_args(args) -> None:
+    from engine.errors import EngineError
+
     _ints(args.depths, "--depths")
     _floats(args.acceptance, "--acceptance")
     drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
@@ -141,15 +148,15 @@ def _check_args(args) -> None:
 
 
 def _bench(args, engine: Engine | None = None, group=None) -> int:
+    import torch
+
+    from engine import Engine, load_engine
+    from engine.drafters import OracleDrafter
     from engine.presets import random_model, weight_bytes_per_token
 
     depths = _ints(args.depths, "--depths")
     rates = _floats(args.acceptance, "--acceptance")
-    drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
-    if any(d not in ("mtp", "oracle") for d in drafters):
-        raise EngineError(f"--drafter {args.drafter!r}: expected mtp, oracle or both")
-    if args.max_new_tokens < 2 or args.repeat < 1:
-        raise EngineError("--max-new-tokens must be >= 2 and --repeat >= 1")
+    drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]  # checked by _check_args
     if args.random_weights:
         if engine is None:
             engine = Engine(random_model(args.random_weights, args.layers, args.device, args.dtype), None, set(),
@@ -161,28 +168,34 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
                                  cuda_graphs=False if args.no_graphs else None)
         prompt = engine.encode_chat([{"role": "user", "content": args.prompt}])
     n, trunk = args.max_new_tokens, engine.trunk
+    # sampled rows use seed = run index: every depth samples with the same seeds (texts differ across depths:
+    # the random stream is consumed per cycle; the distribution does not)
+    sampling = ({"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+                if args.temperature > 0 else None)
     vocab = trunk.config.vocab_size
 
     mode = "graphs" if engine.graph_runner else "eager"
     rows = []
     if engine.graph_runner:  # the same plain decode without graph replay: what the graphs buy
         trunk.graphs = None
-        rows.append({"depth": 0, "drafter": "none", "mode": "eager", **measure(engine, prompt, 0, n, args.repeat)})
+        eager = measure(engine, prompt, 0, n, args.repeat, sampling=sampling)
+        rows.append({"depth": 0, "drafter": "none", "mode": "eager", **eager})
         trunk.graphs = engine.graph_runner
-    plain = measure(engine, prompt, 0, n, args.repeat)
+    plain = measure(engine, prompt, 0, n, args.repeat, sampling=sampling)
     reference = plain["tokens"]
     rows.append({"depth": 0, "drafter": "none", "mode": mode, **plain})
     for depth in [d for d in depths if d > 0]:
         if "mtp" in drafters and engine.mtp_drafter is not None:
             rows.append({"depth": depth, "drafter": "mtp", "mode": mode,
-                         **measure(engine, prompt, depth, n, args.repeat)})
+                         **measure(engine, prompt, depth, n, args.repeat, sampling=sampling)})
         if "oracle" in drafters:
             for rate in rates:
                 make = lambda: OracleDrafter(reference, len(prompt), 1.0 - rate, vocab, seed=depth)  # noqa: E731
-                row = measure(engine, prompt, depth, n, args.repeat, make)
+                row = measure(engine, prompt, depth, n, args.repeat, make, sampling)
                 rows.append({"depth": depth, "drafter": f"oracle@{rate:g}", "mode": mode, **row})
     for r in rows:
-        r["identical_to_plain"] = r.pop("tokens") == reference
+        same = r.pop("tokens") == reference
+        r["identical_to_plain"] = same if sampling is None else None  # sampled texts differ by design
         r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
 
     # transformers' generate() cannot run one shard of a tensor-parallel model: no baseline under --tp
@@ -232,7 +245,7 @@ def format_table(res: dict) -> str:
         ph = " ".join(f"{k}={v:.2f}" for k, v in sorted(r["phase_ms"].items()))
         lines.append(f"{r['depth']:>5} {r['drafter']:<12} {r.get('mode', ''):<6} {r['tokens_per_s']:>9.1f} {r['speedup'] or 0:>7.2f}x "
                      f"{r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f} "
-                     f"{'yes' if r['identical_to_plain'] else 'NO':>5}  [{pos}] {ph}")
+                     f"{ {True: 'yes', False: 'NO', None: '-'}[r['identical_to_plain']]:>5}  [{pos}] {ph}")
     if res["hf_generate_tokens_per_s"]:
         lines.append(f"transformers generate(): {res['hf_generate_tokens_per_s']:.1f} tok/s "
                      f"(plain engine {res['plain_vs_hf']:.2f}x)")

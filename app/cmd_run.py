@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import sys
 
-from engine import DecodeControl, GenerationSettings, load_engine
-from engine.events import Finished, Started, Tokens
 
 
 def add_parser(sub) -> None:
@@ -28,7 +26,9 @@ def add_parser(sub) -> None:
     add_tp_arg(p)
 
 
-def settings_from(args) -> GenerationSettings:
+def settings_from(args):
+    from engine import GenerationSettings
+
     s = GenerationSettings(max_new_tokens=args.max_new_tokens, depth=args.depth, temperature=args.temperature,
                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     s.validate()  # before the (slow) model load: a bad flag fails at once
@@ -36,8 +36,10 @@ def settings_from(args) -> GenerationSettings:
 
 
 def run(args) -> int:
-    settings_from(args)
+    from engine import load_engine
     from engine.tp import launch, under_torchrun
+
+    settings_from(args)  # a bad flag fails before the slow model load
 
     tp = getattr(args, "tp", 1)
     if tp > 1 or under_torchrun():  # N ranks run the same loop; rank 0 owns the output
@@ -47,10 +49,15 @@ def run(args) -> int:
 
 def _run_rank(args, group) -> int:
     """One rank of `run --tp N` (a spawned worker, or a torchrun process)."""
+    from engine import load_engine
+
     return _run(args, load_engine(args.model, None, args.dtype, tp=group), group)
 
 
 def _run(args, engine, group=None) -> int:
+    from engine import DecodeControl
+    from engine.events import Finished, Started, Tokens
+
     settings = settings_from(args)
     if args.raw:
         prompt = engine.encode_raw(args.prompt)

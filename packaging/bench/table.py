@@ -23,7 +23,7 @@ def table(path: Path) -> str:
         mode = "eager (graph capture failed)" if failed and mode == "graphs" else mode
         rows.append(f"| {x['depth']} | {x['drafter']} | {mode} | {x['tokens_per_s']:.1f} | "
                     f"{(x.get('speedup') or 0):.2f}x | {x['acceptance_rate']:.2f} | {x['mean_accepted_length']:.2f} | "
-                    f"{'yes' if x['identical_to_plain'] else 'no'} |")
+                    f"{ {True: 'yes', False: 'no', None: 'sampled'}[x['identical_to_plain']]} |")
     tail = [f"CUDA graphs: {failed}"] if failed else []
     if r.get("hf_generate_tokens_per_s"):
         tail.append(f"transformers `generate()`: {r['hf_generate_tokens_per_s']:.1f} tok/s "
