@@ -43,7 +43,7 @@ KEYS: list[tuple[str, str]] = [
     ("ctrl+n", "new chat"),
     ("ctrl+o", "open a past conversation"),
     ("ctrl+r", "retry: generate the last reply again"),
-    ("alt+c", "copy the last reply"),
+    ("alt+c / alt+k", "copy the last reply / the last code block"),
     ("c / k", "on a focused message: copy it / copy its next code block (click a code block to copy it)"),
     ("ctrl+p", "command palette: depth, themes, every action above"),
     ("f1 / ?", "this help"),

@@ -91,6 +91,7 @@ class MtpChatApp(App):
         Binding("ctrl+o", "conversations", "Open", show=False, id="conversations"),
         Binding("ctrl+r", "retry", "Retry", show=False, id="retry"),
         Binding("alt+c", "copy_last", "Copy reply", show=False, priority=True, id="copy-last"),
+        Binding("alt+k", "copy_code", "Copy code block", show=False, priority=True, id="copy-code"),
         *[
             Binding(f"alt+{d}", f"depth({d})", f"Depth {d}", show=False, priority=True, id=f"depth-{d}")
             for d in range(MAX_DEPTH + 1)
@@ -599,6 +600,18 @@ class MtpChatApp(App):
                 return
         self.notify("No reply to copy yet", severity="warning")
 
+    def action_copy_code(self) -> None:
+        """Copy the last fenced code block of the conversation (what people usually want from a reply)."""
+        import re
+
+        for message in reversed(self.conversation.messages):
+            blocks = re.findall(r"```[^\n]*\n(.*?)```", message.content or "", flags=re.S)
+            if message.role == "assistant" and blocks:
+                self.copy_to_clipboard(blocks[-1])
+                self.notify(f"Copied a code block ({len(blocks[-1])} characters)", timeout=3)
+                return
+        self.notify("No code block to copy", severity="warning")
+
     # command palette -------------------------------------------------------------------------------------
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
@@ -620,6 +633,7 @@ class MtpChatApp(App):
         yield SystemCommand("Open conversation", "Reopen a past conversation", self.action_conversations)
         yield SystemCommand("Retry", "Generate the last reply again", self.action_retry)
         yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard", self.action_copy_last)
+        yield SystemCommand("Copy last code block", "Copy the last fenced code block", self.action_copy_code)
         yield SystemCommand("Stop", "Stop generating", self.action_stop)
         yield SystemCommand("Help", "Keys and what they do", self.action_help)
 

@@ -178,7 +178,7 @@ class Engine:
 
         t0 = time.perf_counter()
         detok = IncrementalDecoder(self.tokenizer)
-        ttft, ok = None, False
+        ttft, ok, depth_cap = None, False, None
         with torch.inference_mode():
             try:
                 if snap is not None:
@@ -216,7 +216,22 @@ class Engine:
                         req.finish = "stop"
                         break
                     depth = settings.depth if control.depth is None else control.depth
-                    out, sources, stats = cycle(self.trunk, self.caches, drafter, req, max(0, int(depth)), timer)
+                    depth = max(0, int(depth)) if depth_cap is None else min(depth_cap, max(0, int(depth)))
+                    try:
+                        out, sources, stats = cycle(self.trunk, self.caches, drafter, req, depth, timer)
+                    except torch.OutOfMemoryError as e:
+                        # cycle() left the committed state; free, lower the depth, retry once, then give up clearly
+                        if depth_cap is not None:
+                            raise EngineError(f"out of memory while decoding, again after lowering the depth to "
+                                              f"{depth_cap}: {str(e).splitlines()[0][:160]}") from None
+                        depth_cap = max(0, depth // 2)
+                        if self.trunk.device.type == "cuda":
+                            torch.cuda.empty_cache()
+                        note = Fallback("memory", f"out of memory at depth {depth}: freed cached memory, "
+                                                  f"depth lowered to {depth_cap} for this request")
+                        fallbacks.append(note)
+                        yield note
+                        continue
                     with timer.phase("detokenize"):
                         text = detok.push(out)
                     yield stats
@@ -296,9 +311,27 @@ def load_tokenizer(root: Path):
 
 def load_engine(path: str | None = None, device: str | None = None, dtype: str | None = None,
                 cuda_graphs: bool | None = None, tp=None) -> Engine:
-    """tp: a tp.TPGroup: this process is one rank of a tensor-parallel group and loads only its shard."""
-    if path is None:
-        path = default_model_path()
+    """Load `path`, or the best model discovered; out of memory at load moves on to the next candidate.
+    tp: a tp.TPGroup: this process is one rank of a tensor-parallel group and loads only its shard."""
+    if path is not None:
+        return _load_engine(path, device, dtype, cuda_graphs, tp)
+    notes, tried = [], set()
+    while True:
+        candidate = default_model_path(exclude=tried)
+        try:
+            engine = _load_engine(candidate, device, dtype, cuda_graphs, tp)
+        except torch.OutOfMemoryError as e:
+            tried.add(candidate)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            notes.append(Fallback("model", f"{Path(candidate).name}: out of memory at load "
+                                           f"({str(e).splitlines()[0][:120]}); trying the next candidate"))
+            continue
+        engine.loaded.fallbacks[:0] = notes
+        return engine
+
+
+def _load_engine(path, device, dtype, cuda_graphs, tp) -> Engine:
     loaded = load(path, device, dtype, tp=tp)
     if tp is not None and cuda_graphs is None:
         # NCCL collectives inside captured graphs are not validated here, and a capture that failed on one rank
@@ -309,16 +342,18 @@ def load_engine(path: str | None = None, device: str | None = None, dtype: str |
     return Engine(loaded, tok, stop_ids_for(root, tok, loaded.raw_config), cuda_graphs)
 
 
-def default_model_path() -> str:
-    try:
-        from .discovery import choose, discover
-        from .environment import probe_device
+def default_model_path(exclude: set[str] = frozenset()) -> str:
+    """The discovered model `choose` prefers (see discovery.py), skipping paths already tried."""
+    from .discovery import choose, discover
+    from .environment import probe_device
 
-        choice = choose(discover(), probe_device(None))
-        if choice.candidate is not None:
-            return choice.candidate.path
-    except ImportError:
-        pass
-    if EMBEDDED.exists():
+    candidates = [c for c in discover() if c.path not in exclude]
+    choice = choose(candidates, probe_device(None))
+    if choice.candidate is not None:
+        return choice.candidate.path
+    if EMBEDDED.exists() and str(EMBEDDED) not in exclude:
         return str(EMBEDDED)
+    if exclude:
+        raise EngineError(f"out of memory loading every candidate model ({len(exclude)} tried): pass --model "
+                          f"with a smaller one, or --device cpu")
     raise EngineError("no model found: pass --model PATH (a Hugging Face model folder)")

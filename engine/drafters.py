@@ -29,6 +29,7 @@ class MTPDrafter:
         self.cache.trim(0)
         self.covered = 0  # positions in the MTP cache (all verified)
         self.pending: list[torch.Tensor] = []  # trunk hiddens [1, n, H] of positions covered.. not yet run
+        self.last = None  # the latest catch-up's (logits, hidden) at the last verified position
 
     def observe(self, hidden: torch.Tensor) -> None:
         self.pending.append(hidden)
@@ -38,7 +39,10 @@ class MTPDrafter:
         self.cache.trim(self.covered)
 
     def catch_up(self, seq_tokens: torch.Tensor):
-        """Run the head over pending positions. seq_tokens[p] is the committed token at position p."""
+        """Run the head over pending positions. seq_tokens[p] is the committed token at position p.
+        Nothing pending (a cycle failed after its catch-up): the last result still holds, the cache is unchanged."""
+        if not self.pending:
+            return self.last
         hidden = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
         n, C = hidden.shape[1], self.covered
         self.cache.reserve(n)
@@ -46,7 +50,8 @@ class MTPDrafter:
         self.covered += n
         self.cache.trim(self.covered)
         self.pending = []
-        return logits[:, -1], out[:, -1:]
+        self.last = logits[:, -1], out[:, -1:]
+        return self.last
 
     def propose(self, seq_tokens: torch.Tensor, k: int, timer, req=None):
         """k drafts [k] on the device, and their distributions [k, V] when sampling (None when greedy).

@@ -1,0 +1,67 @@
+"""Out-of-memory fallbacks: at load the next candidate is tried; while decoding the depth is lowered once."""
+
+import pytest
+import torch
+
+import engine.api as api
+from engine import GenerationSettings, load_engine
+from engine.errors import EngineError
+from engine.events import Fallback, Finished, Tokens
+
+
+def oom(*a, **k):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+
+def test_oom_at_load_moves_to_the_next_candidate(ckpt, monkeypatch):
+    big, small = str(ckpt("next_moe")), str(ckpt("next"))
+    order = iter([big, small])
+    monkeypatch.setattr(api, "default_model_path", lambda exclude=frozenset(): next(order))
+    real = api.load
+
+    def load(path, *a, **k):
+        if path == big:
+            oom()
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(api, "load", load)
+    engine = api.load_engine()
+    assert engine.info.path == small
+    assert any(f.feature == "model" and "out of memory at load" in f.reason for f in engine.loaded.fallbacks)
+
+
+def test_oom_at_load_of_every_candidate_is_one_clear_error(ckpt, monkeypatch):
+    monkeypatch.setattr(api, "load", lambda *a, **k: oom())
+    monkeypatch.setattr(api, "EMBEDDED", ckpt("next"))
+    monkeypatch.setattr("engine.discovery.discover", lambda *a, **k: [])
+    with pytest.raises(EngineError, match="out of memory loading every candidate"):
+        api.load_engine()
+
+
+def test_oom_while_decoding_lowers_depth_once_then_errors(engines, monkeypatch):
+    engine = engines("next")
+    prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    settings = GenerationSettings(max_new_tokens=20, depth=4, ignore_eos=True)
+    plain = [t for e in engine.generate(prompt, GenerationSettings(max_new_tokens=20, depth=0, ignore_eos=True))
+             if isinstance(e, Tokens) for t in e.token_ids]
+    real = engine.trunk.forward
+    calls = {"n": 0}
+
+    def flaky(tokens, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3 and tokens.shape[1] > 1:
+            oom()
+        return real(tokens, *a, **k)
+
+    monkeypatch.setattr(engine.trunk, "forward", flaky)
+    events = list(engine.generate(prompt, settings))
+    out = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+    notes = [e for e in events if isinstance(e, Fallback)]
+    assert out == plain  # decoding went on from the last committed state
+    assert len(notes) == 1 and "depth lowered to 2" in notes[0].reason
+    assert any(f.feature == "memory" for f in events[-1].fallbacks)
+
+    monkeypatch.setattr(engine.trunk, "forward", lambda tokens, *a, **k: oom() if tokens.shape[1] >= 1 else None)
+    with pytest.raises(EngineError, match="out of memory while decoding"):
+        for _ in engine.generate(prompt, settings):
+            pass
