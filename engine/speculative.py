@@ -82,8 +82,8 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
             else:
                 m, targets = sampling.verify_sampled(logits, drafts, q, req.sampling, req.generator)
             host = torch.cat([m, targets, drafts]).tolist()  # the one host sync of the cycle
-        m, targets, drafts_h = host[0], host[1 : k + 2], host[k + 2 :]
-        out = drafts_h[:m] + [targets[m]]
+        m, targets_h, drafts_h = host[0], host[1 : k + 2], host[k + 2 :]
+        out = drafts_h[:m] + [targets_h[m]]
         sources = [DRAFT] * m + [TARGET]
         for j, tok in enumerate(out):  # stop at the first EOS: plain decoding would never process past it
             if tok in req.stop_ids:
@@ -95,7 +95,7 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
             if drafter is not None:
                 drafter.rollback()
                 drafter.observe(hidden[:, : m + 1])
-            req.append(torch.tensor(out, dtype=torch.long, device=req.seq.device))
+            req.append(torch.cat([drafts[:m], targets[m : m + 1]]))  # device slices: no host-to-device copy
     except BaseException:
         caches.abort()
         if drafter is not None:
