@@ -111,6 +111,16 @@ def moe_rowwise(block, x: torch.Tensor) -> torch.Tensor:
     return (y + shared).view(B, T, H)
 
 
+def layer_slots(kinds: list[str]) -> list[int]:
+    """Each layer's index within its own cache: the n-th GDN layer uses GDN slot n, likewise for attention."""
+    seen: dict[str, int] = {}
+    slots = []
+    for kind in kinds:
+        slots.append(seen.get(kind, 0))
+        seen[kind] = slots[-1] + 1
+    return slots
+
+
 @dataclass
 class Trunk:
     """The loaded text model plus everything the engine needs to run it."""
@@ -303,12 +313,10 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> 
     lm.to(dev).eval()
     rotary = Rotary(cfg, dev)
     kinds = list(cfg.layer_types)
-    slots, counters = [], {"linear_attention": 0, "full_attention": 0}
-    for kind in kinds:
-        if kind not in counters:
-            raise EngineError(f"{root / 'config.json'}: unknown layer type {kind!r}")
-        slots.append(counters[kind])
-        counters[kind] += 1
+    unknown = [k for k in kinds if k not in ("linear_attention", "full_attention")]
+    if unknown:
+        raise EngineError(f"{root / 'config.json'}: unknown layer type {unknown[0]!r}")
+    slots = layer_slots(kinds)
     backends = select_backends(dev)
     for op, (name, why) in backends.choice.items():
         if name == "torch" and op.startswith("gdn") and dev.type == "cuda":

@@ -8,7 +8,7 @@ from .errors import EngineError
 from .events import Fallback
 from .families import SUPPORTED
 from .kernels import select_backends
-from .model import Loaded, Rotary, Trunk, default_device_dtype
+from .model import Loaded, Rotary, Trunk, default_device_dtype, layer_slots
 
 PRESETS = {
     # Qwen3.5-27B (dense): 64 layers, 3 GDN : 1 attention
@@ -35,9 +35,8 @@ PRESETS = {
 }
 
 
-def random_model(preset: str, layers: int | None, device: str | None, dtype: str | None, seed: int = 0) -> Loaded:
-    from .mtp import MTPHead
-
+def preset_config(preset: str, layers: int | None):
+    """(family, text config, raw config dict) of a preset, optionally cut to its first `layers` layers."""
     if preset not in PRESETS:
         raise EngineError(f"--random-weights {preset!r}: presets are {', '.join(PRESETS)}")
     model_type, kw = PRESETS[preset]
@@ -49,7 +48,13 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
     kw["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
                          for i in range(kw["num_hidden_layers"])]
     family = SUPPORTED[model_type]
-    cfg = family.text_config({"model_type": model_type, **kw})
+    return family, family.text_config({"model_type": model_type, **kw}), {"model_type": model_type, **kw}
+
+
+def random_model(preset: str, layers: int | None, device: str | None, dtype: str | None, seed: int = 0) -> Loaded:
+    from .mtp import MTPHead
+
+    family, cfg, kw = preset_config(preset, layers)
     dev, dt, fallbacks = default_device_dtype(device, dtype)
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
@@ -62,17 +67,12 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
         torch.set_default_dtype(old)
     lm.eval()
     kinds = list(cfg.layer_types)
-    slots, seen = [], {"linear_attention": 0, "full_attention": 0}
-    for k in kinds:
-        slots.append(seen[k])
-        seen[k] += 1
-    rotary = Rotary(cfg, dev)
-    trunk = Trunk(family, cfg, lm, rotary, dev, dt, select_backends(dev), kinds, slots)
+    trunk = Trunk(family, cfg, lm, Rotary(cfg, dev), dev, dt, select_backends(dev), kinds, layer_slots(kinds))
     head.trunk = trunk
     head.eval()
     fallbacks.append(Fallback("weights", f"random weights in the {preset} shape: output text is meaningless"))
     params = sum(p.numel() for p in lm.parameters())
-    return Loaded(f"random:{preset}", f"random:{preset}", {"model_type": model_type, **kw}, trunk, head, 1,
+    return Loaded(f"random:{preset}", f"random:{preset}", kw, trunk, head, 1,
                   params, fallbacks)
 
 

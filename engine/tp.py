@@ -345,24 +345,12 @@ def random_model(preset: str, layers: int | None, group: TPGroup, dtype: str | N
     """presets.random_model, sharded: each rank builds only its local modules; replicated tensors (embedding,
     norms, routers, the MTP fc) are broadcast from rank 0 so every rank computes the same thing."""
     from .events import Fallback
-    from .families import SUPPORTED
     from .kernels import select_backends
-    from .model import Loaded, Rotary, Trunk, default_device_dtype
+    from .model import Loaded, Rotary, Trunk, default_device_dtype, layer_slots
     from .mtp import MTPHead
-    from .presets import PRESETS
+    from .presets import preset_config
 
-    if preset not in PRESETS:
-        raise EngineError(f"--random-weights {preset!r}: presets are {', '.join(PRESETS)}")
-    model_type, kw = PRESETS[preset]
-    kw = dict(kw)
-    if layers is not None:
-        if layers < 1:
-            raise EngineError("--layers must be at least 1")
-        kw["num_hidden_layers"] = layers
-    kw["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                         for i in range(kw["num_hidden_layers"])]
-    family = SUPPORTED[model_type]
-    cfg = family.text_config({"model_type": model_type, **kw})
+    family, cfg, kw = preset_config(preset, layers)
     dev, dt, fallbacks = default_device_dtype(str(group.device), dtype)
     plan = ShardPlan(cfg, group.rank, group.world, where=f"preset {preset}")
     lcfg = plan.local_config
@@ -384,17 +372,14 @@ def random_model(preset: str, layers: int | None, group: TPGroup, dtype: str | N
     lm.eval()
     head.eval()
     kinds = list(lcfg.layer_types)
-    slots, seen = [], {"linear_attention": 0, "full_attention": 0}
-    for k in kinds:
-        slots.append(seen[k])
-        seen[k] += 1
+    slots = layer_slots(kinds)
     group.vocab_size = cfg.vocab_size
     trunk = Trunk(family, lcfg, lm, Rotary(lcfg, dev), dev, dt, select_backends(dev), kinds, slots, group=group)
     group.plan = plan
     head.trunk = trunk
     fallbacks.append(Fallback("weights", f"random weights in the {preset} shape: output text is meaningless"))
     params = sum(p.numel() for p in lm.parameters())
-    return Loaded(f"random:{preset}", f"random:{preset}", {"model_type": model_type, **kw}, trunk, head, 1,
+    return Loaded(f"random:{preset}", f"random:{preset}", kw, trunk, head, 1,
                   params, fallbacks)
 
 
