@@ -248,3 +248,16 @@ def test_engine_defaults_and_overrides(ckpt):
     assert engine.info.device == "cpu" and engine.info.dtype == "float32"  # no CUDA here
     engine16 = load_engine(str(ckpt("next")), device="cpu", dtype="bfloat16")
     assert engine16.trunk.dtype == torch.bfloat16
+
+
+def test_run_json_states_fallbacks_with_reasons(ckpt, capsys, monkeypatch):
+    monkeypatch.setenv("MTPCHAT_DISABLE_FLA", "1")
+    code = main(["run", "--model", str(ckpt("next_nomtp")), "--prompt", "Hello", "--depth", "3",
+                 "--max-new-tokens", "4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["stats"]["drafted"] == 0 and set(out["sources"]) == {"target"}
+    reasons = {f["feature"]: f["reason"] for f in out["fallbacks"]}
+    assert "no mtp.* tensors" in reasons["speculation"] and "plain decoding" in reasons["speculation"]
+    if not torch.cuda.is_available():
+        assert "CPU" in reasons["cuda"]
+    assert "MTPCHAT_DISABLE_FLA" in out["diagnostics"]["backends"]["gdn_recurrent"]["reason"]
