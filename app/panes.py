@@ -90,6 +90,9 @@ class TimingPane(VerticalScroll):
              str(stats.tokens) if stats.tokens else DASH],
             [("drafted", "dim"), str(stats.drafted) if counted else DASH, ("accepted", "dim"),
              str(stats.accepted) if counted else DASH],
+            # multi-turn reuse: prompt tokens whose state was kept from the previous turn vs newly prefilled
+            [("prompt reused", "dim"), _fmt((stats.final or {}).get("reused_tokens"), "d"),
+             ("prefilled", "dim"), _fmt((stats.final or {}).get("prefilled_tokens"), "d")],
         ])
         self.query_one("#timing-summary", LiveStatic).show(summary)
 
