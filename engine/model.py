@@ -348,6 +348,12 @@ def _check_tensors(root, expected: dict, sd: dict, origin: dict, what: str) -> N
         raise EngineError(f"{root}: unexpected {what} tensor {unexpected[0]!r} ({origin.get(unexpected[0], '?')}); "
                           f"config.json does not describe these weights")
     for k, t in expected.items():
-        if tuple(sd[k].shape) != tuple(t.shape):
-            raise EngineError(f"{root / origin.get(k, '?')}: tensor {k!r} has shape {tuple(sd[k].shape)}, "
-                              f"config.json implies {tuple(t.shape)}")
+        shape, want = tuple(sd[k].shape), tuple(t.shape)
+        if shape != want and k.endswith("conv1d.weight") and shape == (want[0], want[2], want[1]):
+            # MLX conversions transpose the short conv and also add 1 to every zero-centred norm: loading such
+            # weights as HF ones would shift the norms twice (gibberish), so refuse with the reason
+            raise EngineError(f"{root / origin.get(k, '?')}: {k!r} is stored as {shape} (an MLX-converted "
+                              f"checkpoint: conv transposed, norms already shifted); use the original HF release")
+        if shape != want:
+            raise EngineError(f"{root / origin.get(k, '?')}: tensor {k!r} has shape {shape}, "
+                              f"config.json implies {want}")

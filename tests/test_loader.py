@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from app.cli import main
 from engine import load_engine
@@ -188,9 +188,15 @@ def test_bad_inputs(ckpt, tmp_path, capsys):
     partial = broken_copy(good, tmp_path / "partial")
     t = load_file(partial / "model.safetensors")
     del t["mtp.layers.0.self_attn.k_proj.weight"]
-    from safetensors.torch import save_file
     save_file(t, partial / "model.safetensors", metadata={"format": "pt"})
     cases.append((["--model", str(partial)], "partial MTP head: tensor 'mtp.layers.0.self_attn.k_proj.weight'"))
+
+    mlx = broken_copy(good, tmp_path / "mlx")
+    t = load_file(mlx / "model.safetensors")
+    key = next(k for k in t if k.endswith("linear_attn.conv1d.weight"))
+    t[key] = t[key].transpose(1, 2).contiguous()  # MLX layout [C, K, 1]
+    save_file(t, mlx / "model.safetensors", metadata={"format": "pt"})
+    cases.append((["--model", str(mlx)], "MLX-converted checkpoint"))
 
     pickle_only = tmp_path / "pickle"
     pickle_only.mkdir()
@@ -199,6 +205,7 @@ def test_bad_inputs(ckpt, tmp_path, capsys):
     cases.append((["--model", str(pickle_only)], "pickle weights are never loaded"))
 
     base = ["run", "--prompt", "hi", "--max-new-tokens", "2"]
+    capsys.readouterr()  # drop what writing the fixture printed
     for extra, needle in cases:
         code, err = run_cli(capsys, *base, *extra)
         assert code != 0, extra
