@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", help="also write the JSON result to this file")
+    p.add_argument("--precision", action="store_true",
+                   help="instead of speed: speculative vs plain greedy agreement in float32 and bfloat16 over a "
+                        "prompt set (share identical, first divergence position)")
     add_tp_arg(p)
 
 
@@ -116,10 +119,67 @@ def run(args) -> int:
     from engine.tp import launch, under_torchrun
 
     _check_args(args)
+    if args.precision:
+        return precision_report(args)
     tp = getattr(args, "tp", 1)
     if tp > 1 or under_torchrun():  # N ranks run the same measurements; rank 0 reports
         return launch(_bench_rank, args, tp, args.device)
     return _bench(args)
+
+
+PRECISION_PROMPTS = ["Write a short story about a lighthouse keeper.", "What is a list in Python?",
+                     "Explain the word river.", "Tell me about the sea.", "Who wrote Hamlet?",
+                     "How do I open a file?", "Describe a winter morning.", "What is the capital of France?"]
+
+
+def precision_report(args) -> int:
+    """Greedy speculative vs plain output per dtype: float32 must agree exactly; bfloat16 verify passes of
+    several tokens round differently from one-token steps, and this measures how often that changes the text."""
+    from engine import Engine, GenerationSettings, load_engine
+    from engine.drafters import OracleDrafter
+    from engine.events import Tokens
+    from engine.presets import random_model
+
+    depth = max(d for d in _ints(args.depths, "--depths"))
+
+    def decode(engine, prompt, d, drafter=None):
+        s = GenerationSettings(max_new_tokens=args.max_new_tokens, depth=d, ignore_eos=True, reuse=False)
+        return [t for e in engine.generate(prompt, s, drafter=drafter) if isinstance(e, Tokens) for t in e.token_ids]
+
+    report = {}
+    for dtype in ("float32", "bfloat16"):
+        if args.random_weights:
+            engine = Engine(random_model(args.random_weights, args.layers, args.device, dtype), None, set())
+            prompts = [[(7 * i + j) % 1000 + 1 for j in range(32)] for i in range(len(PRECISION_PROMPTS))]
+        else:
+            engine = load_engine(args.model, args.device, dtype)
+            prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in PRECISION_PROMPTS]
+        rows = []
+        for prompt in prompts:
+            plain = decode(engine, prompt, 0)
+            drafters = {"oracle@1": OracleDrafter(plain, len(prompt), 0.0, engine.trunk.config.vocab_size)}
+            if engine.mtp_drafter is not None:
+                drafters["mtp"] = None
+            for name, drafter in drafters.items():
+                spec = decode(engine, prompt, depth, drafter)
+                first = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
+                rows.append({"drafter": name, "identical": spec == plain, "first_divergence": first})
+        diverged = [r["first_divergence"] for r in rows if not r["identical"]]
+        report[dtype] = {"runs": len(rows), "identical_share": sum(r["identical"] for r in rows) / len(rows),
+                         "first_divergence": diverged, "rows": rows}
+        del engine
+    result = {"model": args.random_weights or args.model, "device": args.device, "depth": depth,
+              "max_new_tokens": args.max_new_tokens, "precision": report, "command": "mtpchat " + " ".join(sys.argv[1:])}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        for dtype, r in report.items():
+            print(f"{dtype:>9}: {100 * r['identical_share']:.0f}% of {r['runs']} speculative runs (depth {depth}) "
+                  f"identical to plain; first divergence at {r['first_divergence'] or '-'}")
+    return 0
 
 
 def _bench_rank(args, group) -> int:

@@ -206,3 +206,15 @@ def test_generated_pad_token_is_a_valid_input(tmp_path):
         assert spec == plain and fin.stats["accepted"] > 0
         mtp, _, fin = decode(engine, prompt, depth=depth)
         assert mtp == plain and fin.stats["drafted"] > 0
+
+
+def test_bench_precision_report_float32_is_exact(ckpt, capsys):
+    import json
+
+    from app.cli import main
+
+    assert main(["bench", "--precision", "--model", str(ckpt("next")), "--depths", "3", "--max-new-tokens", "8",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["precision"]
+    assert report["float32"]["identical_share"] == 1.0 and report["float32"]["runs"] == 16
+    assert 0.0 <= report["bfloat16"]["identical_share"] <= 1.0
