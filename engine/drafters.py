@@ -46,7 +46,7 @@ class MTPDrafter:
         hidden = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
         n, C = hidden.shape[1], self.covered
         self.cache.reserve(n)
-        logits, out = self.head(hidden, seq_tokens[C + 1 : C + 1 + n].unsqueeze(0), C, self.cache)
+        logits, out = self.head(hidden, seq_tokens[C + 1 : C + 1 + n].unsqueeze(0), C, self.cache, last_only=True)
         self.covered += n
         self.cache.trim(self.covered)
         self.pending = []

@@ -70,10 +70,11 @@ class MTPHead(nn.Module):
         c = self.trunk.config
         return KVCache(1, c.num_key_value_heads, c.head_dim, self.trunk.dtype, self.trunk.device)
 
-    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int, cache: KVCache, prenormed: bool = False):
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int, cache: KVCache, last_only: bool = False):
         """hidden [1, T, H] at positions pos..pos+T-1, tokens [1, T] = the token after each position.
 
-        Returns (logits [1, T, V] float32, post-norm hidden [1, T, H]). Writes KV at pos..pos+T-1.
+        Returns (logits [1, T, V] float32, post-norm hidden [1, T, H]); with last_only, logits of the last
+        position only (priming a long prompt must not materialise T x vocab logits). Writes KV at pos..pos+T-1.
         """
         trunk = self.trunk
         e = self.pre_fc_norm_embedding(trunk.embed(tokens))
@@ -83,4 +84,4 @@ class MTPHead(nn.Module):
         h = h + trunk.reduce(attention(layer.self_attn, layer.input_layernorm(h), pos, cos, sin, cache, 0))
         h = h + trunk.reduce(mlp(layer, h))
         out = self.norm(h)
-        return trunk.logits(out), out
+        return trunk.logits(out[:, -1:] if last_only else out), out
