@@ -1,6 +1,9 @@
 """Time to first token across a long conversation, with committed-state reuse on and off.
 
-    python packaging/bench/turns.py [--model M] [--turns 10] [--history-tokens 2000] [--json OUT]
+    python packaging/bench/turns.py [--model M | --random-weights PRESET [--layers N]] [--turns 10]
+                                    [--history-tokens 2000] [--json OUT]
+
+With random weights there is no tokenizer: each turn appends the reply's token ids and 16 new "user" ids.
 """
 
 from __future__ import annotations
@@ -35,15 +38,42 @@ def conversation(engine, turns: int, history_tokens: int, reuse: bool) -> list[d
     return rows
 
 
+def token_conversation(engine, turns: int, history_tokens: int, reuse: bool) -> list[dict]:
+    """The same growth in token ids, for random-weight models: prompt + reply + a new user turn each time."""
+    prompt, rows = [(11 * i) % 997 + 1 for i in range(history_tokens)], []
+    for turn in range(1, turns + 1):
+        settings = GenerationSettings(max_new_tokens=24, depth=2, reuse=reuse, ignore_eos=True)
+        reply, fin = [], None
+        for ev in engine.generate(prompt, settings):
+            if isinstance(ev, Tokens):
+                reply += ev.token_ids
+            elif isinstance(ev, Finished):
+                fin = ev
+        rows.append({"turn": turn, "reuse": reuse, "prompt_tokens": fin.stats["prompt_tokens"],
+                     "prefilled_tokens": fin.stats["prefilled_tokens"], "ttft_ms": fin.stats["ttft_ms"]})
+        prompt = prompt + reply + [(13 * turn + j) % 997 + 1 for j in range(16)]
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model")
+    p.add_argument("--random-weights", metavar="PRESET")
+    p.add_argument("--layers", type=int)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--history-tokens", type=int, default=2000)
     p.add_argument("--json")
     a = p.parse_args()
-    engine = load_engine(a.model)
-    rows = conversation(engine, a.turns, a.history_tokens, True) + conversation(engine, a.turns, a.history_tokens, False)
+    if a.random_weights:
+        from engine import Engine
+        from engine.presets import random_model
+
+        engine = Engine(random_model(a.random_weights, a.layers, None, None), None, set())
+        run = token_conversation
+    else:
+        engine = load_engine(a.model)
+        run = conversation
+    rows = run(engine, a.turns, a.history_tokens, True) + run(engine, a.turns, a.history_tokens, False)
     for r in rows:
         if r["turn"] in (1, 5, 10):
             print(f"turn {r['turn']:>2} reuse {'on ' if r['reuse'] else 'off'} prompt {r['prompt_tokens']:>5} "
