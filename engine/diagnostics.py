@@ -7,6 +7,8 @@ from importlib import metadata
 
 import torch
 
+from .reuse import MAX_SNAPSHOTS
+
 
 def _version(dist: str) -> str | None:
     try:
@@ -48,4 +50,6 @@ def snapshot(engine) -> dict:
                     "cuda_graphs": engine.graph_runner.report() if engine.graph_runner else
                     {"enabled": False, "reason": "needs CUDA" if t.device.type != "cuda" else "disabled"}},
         "fallbacks": [{"feature": f.feature, "reason": f.reason} for f in engine.loaded.fallbacks],
+        "reuse": {"history_tokens": len(engine.turns.history), "snapshots": len(engine.turns.snapshots),
+                  "snapshot_bytes": engine.turns.nbytes, "max_snapshots": MAX_SNAPSHOTS},
     }

@@ -38,6 +38,8 @@ def test_multi_turn_reuse_is_exact_and_prefills_less(depth, engines):
     without, pre_off = conversation(engine, depth, False)
     assert with_reuse == without
     assert sum(pre_on) < sum(pre_off)
+    reuse = engine.diagnostics()["reuse"]  # snapshot memory is bounded and stated
+    assert reuse["snapshots"] <= reuse["max_snapshots"] and reuse["snapshot_bytes"] > 0
     assert all(a <= b for a, b in zip(pre_on, pre_off)) and pre_on[-1] < pre_off[-1]
 
 
