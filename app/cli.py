@@ -63,6 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line_errors(run, args, prog: str = "mtpchat") -> int:
+    """Run a read-only command (models, doctor): whatever fails is one line on stderr and exit status 1."""
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        text = str(e).strip()
+        sys.stderr.write(f"{prog}: error: {text.splitlines()[0] if text else type(e).__name__}\n")
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()

@@ -41,13 +41,9 @@ def _error(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # never a traceback: one line and a non-zero status
-        _error(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-        return 1
+    from .cli import one_line_errors
+
+    return one_line_errors(_run, args, PROG)
 
 
 def _run(args: argparse.Namespace) -> int:
