@@ -47,7 +47,8 @@ def add_tp_arg(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from . import cmd_bench, cmd_run
 
-    parser = ArgumentParser(prog="mtpchat", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="mtpchat", description="Terminal chat for local Qwen3-Next / Qwen3.5 models with "
+                            "lossless MTP self-speculative decoding. Without a command: the chat.")
     sub = parser.add_subparsers(dest="command", parser_class=ArgumentParser)
     chat = sub.add_parser("chat", help="open the terminal chat (the default)")
     add_model_args(chat)
