@@ -11,6 +11,11 @@ import statistics
 import sys
 import time
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine import Engine
+
 # torch and the engine are imported inside the functions: building the CLI parser must not load torch
 # (the chat's first frame waits for it).
 

@@ -144,7 +144,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int,
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, stop) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            dtype, shape, (_, stop) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
             end = max(end, int(stop))
         except (KeyError, TypeError, ValueError):
             raise _Unusable(f"{path.name}: corrupt safetensors header entry for tensor {name!r}") from None

@@ -7,7 +7,6 @@ recurrent state [B, Hv, Dk, Dv]. They return (output [B, T, Hv, Dv], final state
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch

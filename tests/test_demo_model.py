@@ -4,7 +4,7 @@ import pytest
 
 from engine import GenerationSettings, load_engine
 from engine.api import EMBEDDED
-from engine.events import Finished, Tokens
+from engine.events import Tokens
 
 pytestmark = pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="demo model not built")
 

@@ -6,7 +6,7 @@ import transformers as tf
 
 from engine import GenerationSettings
 from engine.drafters import OracleDrafter
-from engine.events import Finished, Tokens
+from engine.events import Tokens
 
 FAMILIES = ["next", "next_moe", "q35", "q35_moe"]
 PROMPTS = [

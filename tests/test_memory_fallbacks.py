@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import engine.api as api
-from engine import GenerationSettings, load_engine
+from engine import GenerationSettings
 from engine.errors import EngineError
-from engine.events import Fallback, Finished, Tokens
+from engine.events import Fallback, Tokens
 
 
 def oom(*a, **k):

@@ -1,7 +1,6 @@
 """Speculative sampling keeps the target distribution: a goodness-of-fit test against the exact distribution of
 the first generated tokens, with a deliberately wrong acceptance rule as the negative control."""
 
-import itertools
 import math
 
 import pytest
@@ -117,10 +116,9 @@ def test_greedy_is_bit_exact_at_temperature_zero(engines):
     engine = engines("next")
     prompt = engine.encode_chat([{"role": "user", "content": "Hello"}])
     runs = {}
-    for temperature in (0.0,):
-        for depth in (0, 2):
-            s = GenerationSettings(max_new_tokens=16, depth=depth, temperature=temperature, seed=3, ignore_eos=True)
-            runs[depth] = [t for e in engine.generate(prompt, s) if isinstance(e, Tokens) for t in e.token_ids]
+    for depth in (0, 2):
+        s = GenerationSettings(max_new_tokens=16, depth=depth, temperature=0.0, seed=3, ignore_eos=True)
+        runs[depth] = [t for e in engine.generate(prompt, s) if isinstance(e, Tokens) for t in e.token_ids]
     assert runs[0] == runs[2]
 
 
@@ -130,4 +128,3 @@ def test_probabilities_respect_top_k_and_top_p():
     assert (p[0, 3:] == 0).all() and torch.isclose(p.sum(), torch.tensor(1.0))
     p = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.5))
     assert p[0, 0] == 1.0  # the top token alone already has >= 0.5 of the mass
-    assert list(itertools.accumulate([1])) == [1]

@@ -19,11 +19,9 @@ predicts t_{p+2}. Loss = CE(next token) + w * CE(t_{p+2}), over all tokens, grad
 from __future__ import annotations
 
 import argparse
-import copy
 import csv
 import json
 import math
-import os
 import random
 import sys
 import time
