@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="open the terminal chat (the default)")
     add_model_args(chat)
     chat.add_argument("--depth", type=int, help="speculation depth (0 = plain decoding)")
+    add_tp_arg(chat)
     cmd_run.add_parser(sub)
     cmd_bench.add_parser(sub)
     for name in ("cmd_models", "cmd_doctor"):
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         from .tui import run_tui
 
         return run_tui(getattr(args, "model", None), getattr(args, "depth", None),
-                       getattr(args, "device", None), getattr(args, "dtype", None))
+                       getattr(args, "device", None), getattr(args, "dtype", None), tp=getattr(args, "tp", 1))
     from engine.errors import EngineError
 
     try:

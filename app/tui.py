@@ -654,7 +654,7 @@ def reserve_ui_core() -> None:
 
 
 def run_tui(model: str | None = None, depth: int | None = None, device: str | None = None,
-            dtype: str | None = None) -> int:
+            dtype: str | None = None, tp: int = 1) -> int:
     """Run the TUI until the user quits; returns the exit status."""
     reserve_ui_core()
     try:  # tracebacks of failed loads and requests go to a file (the terminal belongs to the UI)
@@ -663,6 +663,16 @@ def run_tui(model: str | None = None, depth: int | None = None, device: str | No
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     except OSError:
         pass
-    app = MtpChatApp(model=model, depth=depth, device=device, dtype=dtype)
+    loader = default_loader
+    if tp > 1:  # rank 0 (this process) owns the UI; tp - 1 follower processes run the same cycles
+        from multiprocessing import resource_tracker
+
+        from engine.tp_session import loader as tp_loader
+
+        # start multiprocessing's helper while the real stdio is still ours: spawning it from inside the
+        # running app fails (Textual has replaced stderr)
+        resource_tracker.ensure_running()
+        loader = tp_loader(tp)
+    app = MtpChatApp(model=model, depth=depth, device=device, dtype=dtype, loader=loader)
     app.run()
     return app.return_code or 0

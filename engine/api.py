@@ -211,7 +211,10 @@ class Engine:
                 with timer.phase("detokenize"):
                     text = detok.push([first_id])
                 yield Tokens([first_id], ["target"], text)
+                sync = getattr(control, "sync", None)  # tensor parallelism: rank 0 decides depth and stop
                 while req.finish is None:
+                    if sync is not None:
+                        sync()
                     if control.stopped:
                         req.finish = "stop"
                         break
