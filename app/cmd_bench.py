@@ -175,15 +175,17 @@ def precision_report(args) -> int:
         del engine
     result = {"model": args.random_weights or args.model, "device": args.device, "depth": depth,
               "max_new_tokens": args.max_new_tokens, "precision": report, "command": "mtpchat " + " ".join(sys.argv[1:])}
+    return emit(result, args, "\n".join(
+        f"{dtype:>9}: {100 * r['identical_share']:.0f}% of {r['runs']} speculative runs (depth {depth}) "
+        f"identical to plain; first divergence at {r['first_divergence'] or '-'}" for dtype, r in report.items()))
+
+
+def emit(result: dict, args, text: str) -> int:
+    """--out FILE gets the JSON; stdout gets the JSON (--json) or the human-readable text."""
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
-    if args.json:
-        sys.stdout.write(json.dumps(result) + "\n")
-    else:
-        for dtype, r in report.items():
-            print(f"{dtype:>9}: {100 * r['identical_share']:.0f}% of {r['runs']} speculative runs (depth {depth}) "
-                  f"identical to plain; first divergence at {r['first_divergence'] or '-'}")
+    sys.stdout.write((json.dumps(result) if args.json else text) + "\n")
     return 0
 
 
@@ -290,14 +292,7 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
         result["tensor_parallel"] = {**group.describe(), "shard": group.plan.describe()}
         if group.rank != 0:
             return 0
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-    if args.json:
-        sys.stdout.write(json.dumps(result) + "\n")
-    else:
-        print(format_table(result))
-    return 0
+    return emit(result, args, format_table(result))
 
 
 def format_table(res: dict) -> str:
