@@ -70,10 +70,3 @@ class GDNState:
     def reset(self) -> None:
         self.conv.zero_()
         self.recurrent.zero_()
-
-    def snapshot(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.conv.clone(), self.recurrent.clone()
-
-    def restore(self, snap) -> None:
-        self.conv.copy_(snap[0])
-        self.recurrent.copy_(snap[1])

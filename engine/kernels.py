@@ -110,7 +110,7 @@ IMPLEMENTATIONS = {"torch": (torch_recurrent, torch_chunk), "fla": (fla_recurren
 def gdn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
            state: torch.Tensor, impl: str, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, final = IMPLEMENTATIONS[impl][int(chunked)](q, k, v, g, beta, state)
-    return out.clone() if out.data_ptr() == v.data_ptr() else out, final.float().contiguous()
+    return out, final  # both fresh tensors (no input aliasing, as custom ops require); the state is float32
 
 
 @gdn_op.register_fake

@@ -7,7 +7,9 @@ the tokens), and every norm weight is non-zero (a missing `1 + w` shows).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -208,3 +210,21 @@ def _split_experts(path: Path) -> None:
         data = json.loads(index.read_text())
         data["weight_map"] = wm
         index.write_text(json.dumps(data, indent=2))
+
+
+def to_hf_cache(src: Path, cache: Path, repo_id: str, rev: str = "a" * 40) -> Path:
+    """Move a model folder into the Hub cache layout: blobs named by hash, snapshot files as relative symlinks."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        blob = repo / "blobs" / digest
+        if not blob.exists():
+            shutil.move(str(f), blob)
+        (snap / f.name).symlink_to(Path("..", "..", "blobs", digest))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(rev)
+    shutil.rmtree(src)
+    return snap

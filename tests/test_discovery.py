@@ -3,7 +3,6 @@ Hugging Face cache (blobs + symlinked snapshots) and like user model folders."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import write_checkpoint
+from fixtures import to_hf_cache, write_checkpoint
 from safetensors import safe_open
 
 from engine import discovery
@@ -20,27 +19,10 @@ from engine.discovery import Candidate, assess, choose, discover, fallbacks_for,
 from engine.environment import (DeviceInfo, DeviceUnavailable, fla_status, package_versions, probe_device,
                                 run_dtype)
 
-REV = "a" * 40
 BIG = DeviceInfo(kind="cpu", name="roomy", total_bytes=1 << 40, free_bytes=1 << 40)
 TINY = DeviceInfo(kind="cpu", name="tiny", total_bytes=1 << 20, free_bytes=1 << 20)
 
 
-def to_hf_cache(src: Path, cache: Path, repo_id: str, rev: str = REV) -> Path:
-    """Move a model folder into the Hub cache layout: blobs named by hash, snapshot files as relative symlinks."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snap = repo / "snapshots" / rev
-    snap.mkdir(parents=True)
-    for f in sorted(src.iterdir()):
-        digest = hashlib.sha256(f.read_bytes()).hexdigest()
-        blob = repo / "blobs" / digest
-        if not blob.exists():
-            shutil.move(str(f), blob)
-        (snap / f.name).symlink_to(Path("..", "..", "blobs", digest))
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(rev)
-    shutil.rmtree(src)
-    return snap
 
 
 def tensor_count(folder: Path) -> int:

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from fixtures import write_checkpoint
+from fixtures import to_hf_cache, write_checkpoint
 
 import app.cmd_doctor as cmd_doctor
 import app.cmd_models as cmd_models
@@ -25,18 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 OPS = {"gdn_chunk", "gdn_recurrent", "conv1d", "gated_rmsnorm", "attention", "moe"}
 
 
-def to_hf_cache(src: Path, cache: Path, repo_id: str, rev: str = "b" * 40) -> Path:
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snap = repo / "snapshots" / rev
-    snap.mkdir(parents=True)
-    for f in sorted(src.iterdir()):
-        digest = hashlib.sha256(f.read_bytes()).hexdigest()
-        shutil.move(str(f), repo / "blobs" / digest)
-        (snap / f.name).symlink_to(Path("..", "..", "blobs", digest))
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(rev)
-    return snap
 
 
 @pytest.fixture(scope="module")

@@ -19,21 +19,29 @@ FILLER = ("Tell me more about rivers, mountains and the sea, and how the water m
           "seasons of the year. ")
 
 
+def turn(events, turn_no: int, reuse: bool) -> tuple[list[int], str, dict]:
+    """Consume one reply: its token ids, its text, and the row this script reports."""
+    ids, text, fin = [], "", None
+    for ev in events:
+        if isinstance(ev, Tokens):
+            ids += ev.token_ids
+            text += ev.text
+        elif isinstance(ev, Finished):
+            fin = ev
+    row = {"turn": turn_no, "reuse": reuse, "prompt_tokens": fin.stats["prompt_tokens"],
+           "prefilled_tokens": fin.stats["prefilled_tokens"], "ttft_ms": fin.stats["ttft_ms"]}
+    return ids, text, row
+
+
 def conversation(engine, turns: int, history_tokens: int, reuse: bool) -> list[dict]:
     # a long first message so that the history is about `history_tokens` long from the first turn on
     first = FILLER * max(1, history_tokens // max(1, len(engine.encode_raw(FILLER))))
     messages, rows = [], []
-    for turn in range(1, turns + 1):
-        messages.append({"role": "user", "content": first if turn == 1 else f"And what about question {turn}?"})
+    for n in range(1, turns + 1):
+        messages.append({"role": "user", "content": first if n == 1 else f"And what about question {n}?"})
         settings = GenerationSettings(max_new_tokens=24, depth=2, reuse=reuse)
-        text, fin = "", None
-        for ev in engine.chat(messages, settings):
-            if isinstance(ev, Tokens):
-                text += ev.text
-            elif isinstance(ev, Finished):
-                fin = ev
-        rows.append({"turn": turn, "reuse": reuse, "prompt_tokens": fin.stats["prompt_tokens"],
-                     "prefilled_tokens": fin.stats["prefilled_tokens"], "ttft_ms": fin.stats["ttft_ms"]})
+        _, text, row = turn(engine.chat(messages, settings), n, reuse)
+        rows.append(row)
         messages.append({"role": "assistant", "content": text})
     return rows
 
@@ -41,17 +49,11 @@ def conversation(engine, turns: int, history_tokens: int, reuse: bool) -> list[d
 def token_conversation(engine, turns: int, history_tokens: int, reuse: bool) -> list[dict]:
     """The same growth in token ids, for random-weight models: prompt + reply + a new user turn each time."""
     prompt, rows = [(11 * i) % 997 + 1 for i in range(history_tokens)], []
-    for turn in range(1, turns + 1):
+    for n in range(1, turns + 1):
         settings = GenerationSettings(max_new_tokens=24, depth=2, reuse=reuse, ignore_eos=True)
-        reply, fin = [], None
-        for ev in engine.generate(prompt, settings):
-            if isinstance(ev, Tokens):
-                reply += ev.token_ids
-            elif isinstance(ev, Finished):
-                fin = ev
-        rows.append({"turn": turn, "reuse": reuse, "prompt_tokens": fin.stats["prompt_tokens"],
-                     "prefilled_tokens": fin.stats["prefilled_tokens"], "ttft_ms": fin.stats["ttft_ms"]})
-        prompt = prompt + reply + [(13 * turn + j) % 997 + 1 for j in range(16)]
+        reply, _, row = turn(engine.generate(prompt, settings), n, reuse)
+        rows.append(row)
+        prompt = prompt + reply + [(13 * n + j) % 997 + 1 for j in range(16)]
     return rows
 
 
