@@ -13,7 +13,14 @@ Steps:
              one H200); the shipped model was trained on a lent H200 with
                python3 packaging/demo_model/train.py --data packaging/demo_model/build/upload --out OUT --minutes 7.2
              and OUT copied to build/trained/
-  export     engine/assets/demo/: config.json, generation_config.json, model.safetensors (+ mtp.*), tokenizer
+  distill    build/distilled/: distill.py self-distils the MTP head from the frozen trunk (trunk unchanged), on
+             corpus windows and on the trunk's own greedy replies; keeps the head with the best held-out
+             acceptance (GPU, about 3 min on one H200):
+               python3 packaging/demo_model/distill.py --model packaging/demo_model/build/trained \\
+                   --data packaging/demo_model/build/upload --out OUT --minutes 3
+             and OUT copied to build/distilled/
+  export     engine/assets/demo/: config.json, generation_config.json, model.safetensors (+ mtp.*), tokenizer,
+             from build/distilled/ when it exists, else build/trained/
   evaluate   CPU: load with transformers, sample chats, MTP depth-1 acceptance, decode speed -> build/eval.json
   plot       loss.png from loss.csv
   card       engine/assets/demo/README.md (model card) from the logs
@@ -80,10 +87,30 @@ def step_train():
                     "--seed", str(SEED)], check=True)
 
 
+def step_distill():
+    import torch
+
+    if not torch.cuda.is_available():
+        print("warning: no CUDA here; distilling on CPU will take very long. Run on a GPU machine\n"
+              "  python3 packaging/demo_model/distill.py --model packaging/demo_model/build/trained \\\n"
+              "      --data packaging/demo_model/build/upload --out OUT --minutes 3\n"
+              "and copy OUT to packaging/demo_model/build/distilled/.", file=sys.stderr)
+    subprocess.run([sys.executable, str(HERE / "distill.py"), "--model", str(BUILD / "trained"),
+                    "--data", str(BUILD / "upload"), "--out", str(BUILD / "distilled"), "--seed", str(SEED)], check=True)
+
+
+def weights_dir() -> Path:
+    """The weights that export ships: the distilled MTP head when there is one, else train.py's output."""
+    d = BUILD / "distilled"
+    return d if (d / "config.json").exists() and any(d.glob("weights-*.safetensors")) else BUILD / "trained"
+
+
 def step_export():
     import export
 
-    r = export.export(BUILD / "trained", BUILD / "tok", DEST)
+    src = weights_dir()
+    print(f"exporting {src.relative_to(HERE)}", flush=True)
+    r = export.export(src, BUILD / "tok", DEST)
     (DEST / "model.safetensors").chmod(0o644)
     shutil.copy(BUILD / "trained" / "loss.csv", HERE / "loss.csv")
     print(json.dumps({k: v for k, v in r.items() if k != "mtp_keys"}, indent=1))
@@ -136,7 +163,7 @@ def step_card():
     card.write(DEST, BUILD, HERE)
 
 
-STEPS = ["fetch", "corpus", "tokenizer", "tokenize", "train", "export", "evaluate", "plot", "card"]
+STEPS = ["fetch", "corpus", "tokenizer", "tokenize", "train", "distill", "export", "evaluate", "plot", "card"]
 
 
 def main(argv: list[str]) -> int:
