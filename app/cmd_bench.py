@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
     p.add_argument("--no-graphs", action="store_true", help="eager verify steps only (no CUDA graphs)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each layer kind inside the CUDA graphs "
+                   "(also: MTPCHAT_COMPILE=1); the table then has eager, graphs and graphs+compile plain rows")
     p.add_argument("--temperature", type=float, default=0.0, help="sample (speculative sampling) instead of greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -227,12 +229,12 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
     if args.random_weights:
         if engine is None:
             engine = Engine(random_model(args.random_weights, args.layers, args.device, args.dtype), None, set(),
-                            cuda_graphs=False if args.no_graphs else None)
+                            cuda_graphs=False if args.no_graphs else None, compile=args.compile or None)
         prompt = list(range(1, 33))
     else:
         if engine is None:
             engine = load_engine(args.model, args.device, args.dtype,
-                                 cuda_graphs=False if args.no_graphs else None)
+                                 cuda_graphs=False if args.no_graphs else None, compile=args.compile or None)
         prompt = engine.encode_chat([{"role": "user", "content": args.prompt}])
     n, trunk = args.max_new_tokens, engine.trunk
     # sampled rows use seed = run index: every depth samples with the same seeds (texts differ across depths:
@@ -241,13 +243,22 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
                 if args.temperature > 0 else None)
     vocab = trunk.config.vocab_size
 
-    mode = "graphs" if engine.graph_runner else "eager"
+    runner = engine.graph_runner
+    compiled = runner is not None and trunk.compiled_block is not None
+    mode = ("graphs+compile" if compiled else "graphs") if runner else "eager"
     rows = []
-    if engine.graph_runner:  # the same plain decode without graph replay: what the graphs buy
+    if runner:  # the same plain decode without graph replay (and without compilation): what each buys
         trunk.graphs = None
         eager = measure(engine, prompt, 0, n, args.repeat, sampling=sampling)
         rows.append({"depth": 0, "drafter": "none", "mode": "eager", **eager})
-        trunk.graphs = engine.graph_runner
+        trunk.graphs = runner
+        if compiled:
+            block, trunk.compiled_block = trunk.compiled_block, None
+            runner.reset()
+            rows.append({"depth": 0, "drafter": "none", "mode": "graphs",
+                         **measure(engine, prompt, 0, n, args.repeat, sampling=sampling)})
+            trunk.compiled_block = block
+            runner.reset()
     plain = measure(engine, prompt, 0, n, args.repeat, sampling=sampling)
     reference = plain["tokens"]
     rows.append({"depth": 0, "drafter": "none", "mode": mode, **plain})

@@ -98,7 +98,8 @@ class IncrementalDecoder:
 
 
 class Engine:
-    def __init__(self, loaded: Loaded, tokenizer=None, stop_ids: set[int] = frozenset(), cuda_graphs: bool | None = None):
+    def __init__(self, loaded: Loaded, tokenizer=None, stop_ids: set[int] = frozenset(), cuda_graphs: bool | None = None,
+                 compile: bool | None = None):
         self.loaded, self.tokenizer, self.stop_ids = loaded, tokenizer, frozenset(stop_ids)
         self.trunk = loaded.trunk
         self.caches = self.trunk.new_caches()
@@ -110,7 +111,13 @@ class Engine:
         if cuda_graphs:
             from .graphs import GraphRunner
 
-            self.graph_runner = self.trunk.graphs = GraphRunner(self.trunk)
+            if compile is None:
+                compile = os.environ.get("MTPCHAT_COMPILE", "0") == "1"
+            self.graph_runner = self.trunk.graphs = GraphRunner(self.trunk, compile=compile)
+            if self.mtp_drafter is not None:
+                from .graphs import StepGraphs
+
+                self.mtp_drafter.graphs = StepGraphs(self.trunk.device)
         t = self.trunk
         self.info = ModelInfo(loaded.name, loaded.path, t.family.name, loaded.raw_config.get("model_type", ""),
                               loaded.mtp_layers, loaded.params, str(t.device), str(t.dtype).replace("torch.", ""))
@@ -138,6 +145,10 @@ class Engine:
         out = [f for f in self.loaded.fallbacks if f.feature != "speculation"]
         if self.graph_runner is not None and self.graph_runner.failure:
             out.append(Fallback("cuda_graphs", self.graph_runner.failure))
+        if self.mtp_drafter is not None and self.mtp_drafter.graph_failure:
+            out.append(Fallback("cuda_graphs", self.mtp_drafter.graph_failure))
+        if self.graph_runner is not None and self.graph_runner.compile_failure:
+            out.append(Fallback("compile", self.graph_runner.compile_failure))
         if settings.depth > 0 or drafter is not None:
             if drafter is None and self.mtp_drafter is None:
                 out += [f for f in self.loaded.fallbacks if f.feature == "speculation"]
@@ -191,6 +202,8 @@ class Engine:
                 turns.drafter = drafter
                 if self.trunk.graphs is not None:  # one reservation for the request: no re-capture mid-reply
                     self.caches.kv.reserve(len(prompt_ids) - self.caches.processed + settings.max_new_tokens + 16)
+                    if getattr(drafter, "graphs", None) is not None:
+                        drafter.reserve(len(prompt_ids) - drafter.covered + settings.max_new_tokens + 16)
                 if start < len(prompt_ids):
                     logits = prefill(self.trunk, self.caches, drafter, ids[start:], settings.prefill_chunk, timer)
                     turns.history = list(prompt_ids)
@@ -313,16 +326,16 @@ def load_tokenizer(root: Path):
 
 
 def load_engine(path: str | None = None, device: str | None = None, dtype: str | None = None,
-                cuda_graphs: bool | None = None, tp=None) -> Engine:
+                cuda_graphs: bool | None = None, tp=None, compile: bool | None = None) -> Engine:
     """Load `path`, or the best model discovered; out of memory at load moves on to the next candidate.
     tp: a tp.TPGroup: this process is one rank of a tensor-parallel group and loads only its shard."""
     if path is not None:
-        return _load_engine(path, device, dtype, cuda_graphs, tp)
+        return _load_engine(path, device, dtype, cuda_graphs, tp, compile)
     notes, tried = [], set()
     while True:
         candidate = default_model_path(exclude=tried)
         try:
-            engine = _load_engine(candidate, device, dtype, cuda_graphs, tp)
+            engine = _load_engine(candidate, device, dtype, cuda_graphs, tp, compile)
         except torch.OutOfMemoryError as e:
             tried.add(candidate)
             if torch.cuda.is_available():
@@ -334,7 +347,7 @@ def load_engine(path: str | None = None, device: str | None = None, dtype: str |
         return engine
 
 
-def _load_engine(path, device, dtype, cuda_graphs, tp) -> Engine:
+def _load_engine(path, device, dtype, cuda_graphs, tp, compile=None) -> Engine:
     loaded = load(path, device, dtype, tp=tp)
     if tp is not None and cuda_graphs is None:
         # NCCL collectives inside captured graphs are not validated here, and a capture that failed on one rank
@@ -342,7 +355,7 @@ def _load_engine(path, device, dtype, cuda_graphs, tp) -> Engine:
         cuda_graphs = False
     root = Path(loaded.path)
     tok = load_tokenizer(root)
-    return Engine(loaded, tok, stop_ids_for(root, tok, loaded.raw_config), cuda_graphs)
+    return Engine(loaded, tok, stop_ids_for(root, tok, loaded.raw_config), cuda_graphs, compile)
 
 
 def default_model_path(exclude: set[str] = frozenset()) -> str:

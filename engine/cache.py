@@ -40,24 +40,31 @@ class KVCache:
         v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = k, v
 
-    def write(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [1, H, T, D] at positions pos..pos+T-1; return views of everything up to them."""
-        T = k.shape[2]
-        self.k[layer, :, pos : pos + T] = k[0]
-        self.v[layer, :, pos : pos + T] = v[0]
-        return self.k[layer, :, : pos + T].unsqueeze(0), self.v[layer, :, : pos + T].unsqueeze(0)
-
-    def write_at(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Graph-safe write at a device-side position; returns the whole capacity and the causal mask."""
-        T = k.shape[2]
-        positions = pos + torch.arange(T, device=k.device)
-        self.k[layer].index_copy_(1, positions, k[0])
-        self.v[layer].index_copy_(1, positions, v[0])
-        mask = torch.arange(self.capacity, device=k.device)[None, :] <= positions[:, None]
-        return self.k[layer].unsqueeze(0), self.v[layer].unsqueeze(0), mask
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values [H, capacity, D]: views, so the layer code never indexes by layer number
+        (a compiled layer then serves every layer of its kind; see graphs.compile_block)."""
+        return self.k[i], self.v[i]
 
     def trim(self, length: int) -> None:
         self.length = length
+
+
+def kv_write(keys, values, pos: int, k: torch.Tensor, v: torch.Tensor):
+    """Store k, v [1, H, T, D] at positions pos..pos+T-1 of one layer's cache; return views of everything up to them."""
+    T = k.shape[2]
+    keys[:, pos : pos + T] = k[0]
+    values[:, pos : pos + T] = v[0]
+    return keys[:, : pos + T].unsqueeze(0), values[:, : pos + T].unsqueeze(0)
+
+
+def kv_write_at(keys, values, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Graph-safe write at a device-side position; returns the whole capacity and the causal mask. An index_put
+    (not index_copy_) so that the compiler updates the cache in place instead of copying it."""
+    positions = pos + torch.arange(k.shape[2], device=k.device)
+    keys[:, positions] = k[0]
+    values[:, positions] = v[0]
+    mask = torch.arange(keys.shape[1], device=k.device)[None, :] <= positions[:, None]
+    return keys.unsqueeze(0), values.unsqueeze(0), mask
 
 
 class GDNState:
@@ -66,6 +73,10 @@ class GDNState:
     def __init__(self, layers: int, conv_dim: int, kernel: int, hv: int, dk: int, dv: int, dtype, device):
         self.conv = torch.zeros(layers, conv_dim, kernel - 1, dtype=dtype, device=device)
         self.recurrent = torch.zeros(layers, hv, dk, dv, dtype=torch.float32, device=device)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """GDN layer i's conv window [C, K-1] and recurrent state [1, Hv, Dk, Dv]: views."""
+        return self.conv[i], self.recurrent[i : i + 1]
 
     def reset(self) -> None:
         self.conv.zero_()

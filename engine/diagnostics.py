@@ -46,10 +46,28 @@ def snapshot(engine) -> dict:
         "dtype": engine.info.dtype,
         "backends": {op: {"backend": b, "reason": why} for op, (b, why) in t.backends.choice.items()},
         "versions": versions(),
-        "compile": {"mode": "eager kernels" + (", CUDA graphs for verify steps" if engine.graph_runner else ""),
+        "compile": {"mode": _compile_mode(engine),
                     "cuda_graphs": engine.graph_runner.report() if engine.graph_runner else
-                    {"enabled": False, "reason": "needs CUDA" if t.device.type != "cuda" else "disabled"}},
+                    {"enabled": False, "reason": "needs CUDA" if t.device.type != "cuda" else "disabled"},
+                    **_mtp_graphs(engine)},
         "fallbacks": [{"feature": f.feature, "reason": f.reason} for f in engine.loaded.fallbacks],
         "reuse": {"history_tokens": len(engine.turns.history), "snapshots": len(engine.turns.snapshots),
                   "snapshot_bytes": engine.turns.nbytes, "max_snapshots": MAX_SNAPSHOTS},
     }
+
+
+def _compile_mode(engine) -> str:
+    runner = engine.graph_runner
+    if runner is None:
+        return "eager kernels"
+    layers = "torch.compile per layer kind" if engine.trunk.compiled_block is not None else "eager kernels"
+    return f"{layers}, CUDA graphs for verify, draft and refresh steps"
+
+
+def _mtp_graphs(engine) -> dict:
+    """{"mtp_cuda_graphs": report} when the MTP head's steps are (or were meant to be) graphs; else nothing."""
+    drafter = engine.mtp_drafter
+    if drafter is None or (drafter.graphs is None and drafter.graph_failure is None):
+        return {}
+    report = drafter.graphs.report() if drafter.graphs is not None else {}
+    return {"mtp_cuda_graphs": {**report, "failure": drafter.graph_failure}}

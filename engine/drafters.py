@@ -20,10 +20,33 @@ class MTPDrafter:
 
     name = "mtp"
 
-    def __init__(self, head):
+    def __init__(self, head, graphs=None):
         self.head = head
         self.cache = head.new_cache()
+        self.graphs = graphs  # graphs.StepGraphs: draft and refresh steps replayed as CUDA graphs
+        self.graph_failure: str | None = None
         self.reset()
+
+    def reserve(self, n: int) -> None:
+        """Room for n more positions now, for a whole request: a reallocated cache means re-capturing graphs."""
+        self.cache.reserve(n)
+
+    def run_head(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int):
+        """The head over positions pos..pos+n-1 -> (logits of the last one [1, 1, V], post-norm hidden [1, n, H]);
+        a graph replay for n up to the graphs' width (the outputs are then static: read them before the next)."""
+        g = self.graphs
+        if g is not None and hidden.shape[1] <= g.max_width:
+            def step(hidden, tokens, pos):
+                return self.head(hidden, tokens, pos, self.cache, last_only=True)
+
+            try:
+                return g.run(self.cache.k.data_ptr(), (hidden, tokens), pos, step)
+            except Exception as e:  # capture failed: eager from now on, with the reason on record
+                self.graph_failure = f"MTP graph capture failed ({type(e).__name__}: {str(e)[:160]}): eager drafting"
+                self.graphs = None
+                if hidden.device.type == "cuda":
+                    torch.cuda.synchronize()
+        return self.head(hidden, tokens, pos, self.cache, last_only=True)
 
     def reset(self) -> None:
         self.cache.trim(0)
@@ -46,11 +69,12 @@ class MTPDrafter:
         hidden = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
         n, C = hidden.shape[1], self.covered
         self.cache.reserve(n)
-        logits, out = self.head(hidden, seq_tokens[C + 1 : C + 1 + n].unsqueeze(0), C, self.cache, last_only=True)
+        logits, out = self.run_head(hidden, seq_tokens[C + 1 : C + 1 + n].unsqueeze(0), C)
         self.covered += n
         self.cache.trim(self.covered)
         self.pending = []
-        self.last = logits[:, -1], out[:, -1:]
+        # copies: a replayed graph's outputs are overwritten by the draft steps that follow
+        self.last = logits[:, -1].clone(), out[:, -1:].clone()
         return self.last
 
     def propose(self, seq_tokens: torch.Tensor, k: int, timer, req=None):
@@ -65,7 +89,7 @@ class MTPDrafter:
             self.cache.reserve(k)
             for j in range(k):
                 if j:
-                    logits, h = self.head(h, drafts[-1].view(1, 1), pos + j - 1, self.cache)
+                    logits, h = self.run_head(h, drafts[-1].view(1, 1), pos + j - 1)
                     logits = logits[:, -1]
                 if greedy:
                     drafts.append(logits.argmax(-1))

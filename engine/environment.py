@@ -298,13 +298,14 @@ def _fla_self_check(index: int) -> tuple[bool, str]:
 
         dev = torch.device("cuda", index)
         gen = torch.Generator(device="cpu").manual_seed(0)
-        B, T, H, K, V = 1, 5, 2, 16, 16
+        # grouped value heads (HV = 2 H, as in the released models): the head mapping is checked too
+        B, T, H, HV, K, V = 1, 5, 2, 4, 16, 16
         q = torch.randn(B, T, H, K, generator=gen)
         k = torch.randn(B, T, H, K, generator=gen)
-        v = torch.randn(B, T, H, V, generator=gen)
-        g = F.logsigmoid(torch.randn(B, T, H, generator=gen))
-        beta = torch.rand(B, T, H, generator=gen)
-        h0 = torch.randn(B, H, K, V, generator=gen) * 0.1
+        v = torch.randn(B, T, HV, V, generator=gen)
+        g = F.logsigmoid(torch.randn(B, T, HV, generator=gen))
+        beta = torch.rand(B, T, HV, generator=gen)
+        h0 = torch.randn(B, HV, K, V, generator=gen) * 0.1
         # the engine's own torch kernel against the FLA call the engine makes
         ref_o, ref_h = torch_recurrent(q, k, v, g, beta, h0)
         o, ht = fla_recurrent(*(x.to(dev) for x in (q, k, v, g, beta, h0)))

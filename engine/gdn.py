@@ -32,6 +32,10 @@ class VerifyStash:
         self.final = torch.empty(L, dims["nv"], dims["dk"], dims["dv"], dtype=torch.float32, device=device)
         self.width = 0  # tokens stashed by the current verify pass; 0 = nothing to commit
 
+    def rows(self, i: int) -> tuple:
+        """GDN layer i's stash rows (q, k, v, g, beta, window, final): views, like the caches' layer views."""
+        return self.q[i], self.k[i], self.v[i], self.g[i], self.beta[i], self.window[i], self.final[i]
+
     def fits(self, layers: int, width: int, dtype, device) -> bool:
         """Buffers are dropped when the state dtype or device changes, or a wider verify is needed."""
         L, T, dt, dev = self.key
@@ -69,29 +73,33 @@ def output(mixer, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return mixer.out_proj(y.reshape(shape[0], shape[1], -1))
 
 
-def prefill(mixer, x, slot: int, state: GDNState, backends) -> torch.Tensor:
+def prefill(mixer, x, conv, recurrent, backends) -> torch.Tensor:
+    """conv [C, K-1], recurrent [1, Hv, Dk, Dv]: this layer's committed state, written here."""
     T = x.shape[1]
     mixed, z, b, a = project(mixer, x)
-    window = torch.cat([state.conv[slot : slot + 1], mixed.to(state.conv.dtype)], -1)
+    window = torch.cat([conv.unsqueeze(0), mixed.to(conv.dtype)], -1)
     q, k, v, g, beta = kernel_inputs(mixer, window, T, b, a)
     kernel = backends.gdn_chunk if T > 1 else backends.gdn_recurrent
-    core, final = kernel(q, k, v, g, beta, state.recurrent[slot : slot + 1])
-    store_conv_state(state.conv, slot, window)
-    state.recurrent[slot].copy_(final[0])
+    core, final = kernel(q, k, v, g, beta, recurrent)
+    store_conv_state(conv, window)
+    recurrent.copy_(final)
     return output(mixer, core, z)
 
 
-def verify(mixer, x, slot: int, state: GDNState, backends, stash: VerifyStash) -> torch.Tensor:
+def verify(mixer, x, conv, recurrent, backends, rows: tuple) -> torch.Tensor:
+    """Reads the committed state (conv, recurrent), writes only this layer's stash rows (VerifyStash.rows)."""
     T = x.shape[1]
+    K1 = conv.shape[-1]
+    sq, sk, sv, sg, sbeta, swindow, sfinal = rows
     mixed, z, b, a = project(mixer, x)
-    window = stash.window[slot, :, : state.conv.shape[-1] + T]
-    window[:, : state.conv.shape[-1]] = state.conv[slot]
-    window[:, state.conv.shape[-1] :] = mixed[0]
+    window = swindow[:, : K1 + T]
+    window[:, :K1] = conv
+    window[:, K1:] = mixed[0]
     q, k, v, g, beta = kernel_inputs(mixer, window.unsqueeze(0), T, b, a)
-    for buf, t in ((stash.q, q), (stash.k, k), (stash.v, v), (stash.g, g), (stash.beta, beta)):
-        buf[slot, :T] = t[0]
-    core, final = backends.gdn_recurrent(q, k, v, g, beta, state.recurrent[slot : slot + 1])
-    stash.final[slot] = final[0]
+    for buf, t in ((sq, q), (sk, k), (sv, v), (sg, g), (sbeta, beta)):
+        buf[:T] = t[0]
+    core, final = backends.gdn_recurrent(q, k, v, g, beta, recurrent)
+    sfinal.copy_(final[0])
     return output(mixer, core, z)
 
 

@@ -1,62 +1,163 @@
-"""CUDA graphs for the verify step (plain decoding is its width-1 case): one graph per width, static buffers.
+"""CUDA graphs for the decode loop's fixed-shape steps: the trunk's verify pass (plain decoding is its width-1
+case) and the MTP head's draft and refresh steps. One graph per width over static buffers; the position lives on
+the device, so one graph serves every position.
 
 A verify pass reads the committed state and writes only the stash and KV rows past the committed length, so a
-replay is always safe; the graph is re-captured when the KV cache or the stash is reallocated. Capture is
-certified by replay counters, not by configuration: diagnostics report what actually replayed.
+replay is always safe; graphs are re-captured when a cache or the stash is reallocated (the key changes).
+Capture is certified by replay counters, not by configuration: diagnostics report what actually replayed.
+
+On the CPU there are no graphs; `Rerun` stands in for one (replay = run the step again on the same static
+buffers into the same outputs), so the buffer handling is tested where CI runs.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import torch
 
 
-class GraphRunner:
-    def __init__(self, trunk, max_width: int = 8):
-        self.trunk, self.max_width = trunk, max_width
-        self.pos = torch.zeros((), dtype=torch.long, device=trunk.device)
-        self.pool = torch.cuda.graph_pool_handle()
+def compile_block(backend: str = "inductor"):
+    """The decoder layer compiled once per layer kind and reused by every layer of that kind: parameters are
+    graph inputs and the layer's cache views are arguments (model.block), so a 64-layer model compiles a handful
+    of regions instead of one unrolled graph per verify width. The GDN kernels stay behind their custom ops
+    (kernels.py): the FLA kernels selected are the ones that run inside the compiled code."""
+    from .model import block
+
+    # Static widths: one compiled region per (layer kind, verify width). Measured on the H200 (27B shape), the
+    # dynamic-width code that automatic dynamic shapes switch to at the second width cost about 6 ms more per
+    # verify step than the width-1 code; the compilations are a few seconds each.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(block, fullgraph=True, dynamic=False, backend=backend)
+
+
+class Rerun:
+    """The CPU stand-in for a captured graph."""
+
+    def __init__(self, fn: Callable, out):
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        for static, new in zip(_tensors(self.out), _tensors(self.fn())):
+            static.copy_(new)
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+class StepGraphs:
+    """Replays step(*static_inputs, pos) as one graph per width (input shape). Raises if a capture fails; the
+    owner falls back to eager and records why."""
+
+    def __init__(self, device: torch.device, max_width: int = 8):
+        self.device, self.max_width = device, max_width
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
         self.graphs: dict[int, tuple] = {}
         self.key = None
         self.replays: dict[int, int] = {}
         self.captures = 0
-        self.failure: str | None = None
+        self.warmup_s = 0.0
+        self.reset()
 
-    def run(self, tokens: torch.Tensor, pos: int, caches) -> torch.Tensor:
-        T = tokens.shape[1]
-        stash = caches.stash_for(max(self.max_width, T), self.trunk)
-        key = (caches.kv.k.data_ptr(), stash.q.data_ptr(), caches.gdn.recurrent.data_ptr())
+    def reset(self) -> None:
+        """Drop every graph. A new memory pool too: capturing into the pool of freed graphs trips the caching
+        allocator (`use_count > 0` assertion, seen on the H200)."""
+        self.graphs = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+
+    def run(self, key, inputs: tuple[torch.Tensor, ...], pos: int, step: Callable):
         if key != self.key:
-            self.graphs, self.key = {}, key
+            self.reset()
+            self.key = key
+        width = inputs[0].shape[1]
         self.pos.fill_(pos)
-        if T not in self.graphs:
-            try:
-                self.capture(T, tokens, caches)
-            except Exception as e:  # capture failed: eager from now on, with the reason on record
-                self.failure = f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:160]}): eager decoding"
-                self.trunk.graphs = None
-                torch.cuda.synchronize()
-                return self.trunk.forward(tokens, pos, caches, verify=True)
-        graph, buf, out = self.graphs[T]
-        buf.copy_(tokens)
+        if width not in self.graphs:
+            self.capture(width, inputs, step)
+        graph, bufs, out = self.graphs[width]
+        for buf, x in zip(bufs, inputs):
+            buf.copy_(x)
         graph.replay()
-        stash.width = T  # the Python side effect of the captured forward
-        self.replays[T] = self.replays.get(T, 0) + 1
+        self.replays[width] = self.replays.get(width, 0) + 1
         return out
 
-    def capture(self, T: int, tokens: torch.Tensor, caches) -> None:
-        buf = tokens.clone()
+    def capture(self, width: int, inputs, step: Callable) -> None:
+        bufs = tuple(x.clone() for x in inputs)
+
+        def fn():
+            return step(*bufs, self.pos)
+
+        if self.device.type != "cuda":
+            graph = Rerun(fn, fn())
+            self.graphs[width] = (graph, bufs, graph.out)
+            self.captures += 1
+            return
+        t0 = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: Triton autotuning must not happen during capture
+        with torch.cuda.stream(side):  # warm-up: compilation and Triton autotuning must not happen in capture
             for _ in range(2):
-                self.trunk.forward(buf, self.pos, caches, verify=True)
+                fn()
         torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.warmup_s += time.perf_counter() - t0
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.trunk.forward(buf, self.pos, caches, verify=True)
-        self.graphs[T] = (graph, buf, out)
+            out = fn()
+        self.graphs[width] = (graph, bufs, out)
         self.captures += 1
 
     def report(self) -> dict:
-        return {"captured_widths": sorted(self.graphs), "captures": self.captures, "failure": self.failure,
+        return {"captured_widths": sorted(self.graphs), "captures": self.captures,
                 "replays": {str(k): v for k, v in sorted(self.replays.items())}}
+
+
+class GraphRunner:
+    """The trunk's verify steps as graphs (optionally with each layer kind compiled inside them)."""
+
+    def __init__(self, trunk, max_width: int = 8, compile: bool = False):
+        self.trunk = trunk
+        self.steps = StepGraphs(trunk.device, max_width)
+        self.failure: str | None = None
+        self.compile_failure: str | None = None
+        if compile:
+            trunk.compiled_block = compile_block()
+
+    def reset(self) -> None:
+        self.steps.reset()
+
+    def run(self, tokens: torch.Tensor, pos: int, caches) -> torch.Tensor:
+        trunk, T = self.trunk, tokens.shape[1]
+        stash = caches.stash_for(max(self.steps.max_width, T), trunk)
+        key = (caches.kv.k.data_ptr(), stash.q.data_ptr(), caches.gdn.recurrent.data_ptr())
+
+        def step(tokens, pos):
+            return trunk.forward(tokens, pos, caches, verify=True)
+
+        try:
+            out = self.run_compiled(key, tokens, pos, step)
+        except Exception as e:  # capture failed: eager from now on, with the reason on record
+            self.failure = f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:160]}): eager decoding"
+            trunk.graphs = None
+            if trunk.device.type == "cuda":
+                torch.cuda.synchronize()
+            return trunk.forward(tokens, pos, caches, verify=True)
+        stash.width = T  # the Python side effect of the replayed forward
+        return out
+
+    def run_compiled(self, key, tokens, pos: int, step):
+        try:
+            return self.steps.run(key, (tokens,), pos, step)
+        except Exception as e:  # compilation failed: capture the eager layers instead, with the reason on record
+            if self.trunk.compiled_block is None:
+                raise
+            self.compile_failure = f"torch.compile failed ({type(e).__name__}: {str(e)[:160]}): eager layers"
+            self.trunk.compiled_block = None
+            self.steps.reset()
+            return self.steps.run(key, (tokens,), pos, step)
+
+    def report(self) -> dict:
+        return {**self.steps.report(), "failure": self.failure,
+                "compiled": self.trunk.compiled_block is not None, "compile_failure": self.compile_failure,
+                "warmup_s": round(self.steps.warmup_s, 1)}

@@ -83,7 +83,7 @@ def torch_chunk(q, k, v, g, beta, state, chunk: int = 64):
 def fla_recurrent(q, k, v, g, beta, state):
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
-    q, k = _expand_heads(q, k, v.shape[2])
+    # grouped value heads (HV > H) natively: value head i reads key head i // (HV // H), as _expand_heads does
     return fused_recurrent_gated_delta_rule(
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
@@ -92,7 +92,7 @@ def fla_recurrent(q, k, v, g, beta, state):
 def fla_chunk(q, k, v, g, beta, state):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    q, k = _expand_heads(q, k, v.shape[2])
+    # grouped value heads (HV > H) natively: value head i reads key head i // (HV // H), as _expand_heads does
     return chunk_gated_delta_rule(
         q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
@@ -119,13 +119,13 @@ def _(q, k, v, g, beta, state, impl, chunked):
 
 
 @torch.library.custom_op("mtpchat::store_conv_state", mutates_args=("conv",))
-def store_conv_state(conv: torch.Tensor, slot: int, window: torch.Tensor) -> None:
-    """The in-place conv-cache update of prefill: conv[slot] = the last K-1 conv inputs of the window."""
-    conv[slot].copy_(window[0, :, window.shape[-1] - conv.shape[-1]:])
+def store_conv_state(conv: torch.Tensor, window: torch.Tensor) -> None:
+    """The in-place conv-cache update of prefill: one layer's conv [C, K-1] = the last K-1 inputs of the window."""
+    conv.copy_(window[0, :, window.shape[-1] - conv.shape[-1]:])
 
 
 @store_conv_state.register_fake
-def _(conv, slot, window):
+def _(conv, window):
     return None
 
 

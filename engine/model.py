@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from . import gdn
-from .cache import KVCache, GDNState
+from .cache import KVCache, GDNState, kv_write, kv_write_at
 from .checkpoint import TensorFiles, model_dir, read_json
 from .errors import EngineError
 from .events import Fallback
@@ -58,7 +58,7 @@ def apply_rope(q, k, cos, sin):
     return q, k
 
 
-def attention(attn, x, pos, cos, sin, kv: KVCache, slot: int) -> torch.Tensor:
+def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Gated full attention (Qwen3-Next / 3.5): q_proj yields the query and a sigmoid output gate."""
     B, T, _ = x.shape
     hd = attn.head_dim
@@ -68,12 +68,12 @@ def attention(attn, x, pos, cos, sin, kv: KVCache, slot: int) -> torch.Tensor:
     v = attn.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
     q, k = apply_rope(q, k, cos, sin)
     if isinstance(pos, int):
-        keys, values = kv.write(slot, pos, k, v)
+        keys, values = kv_write(keys, values, pos, k, v)
         mask = None
         if T > 1:  # query i sees keys 0..pos+i (bottom-right aligned causal mask)
             mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(pos)
     else:  # CUDA-graph capture: the position lives on the device, shapes are the cache's whole capacity
-        keys, values, mask = kv.write_at(slot, pos, k, v)
+        keys, values, mask = kv_write_at(keys, values, pos, k, v)
     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
     o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
     return attn.o_proj(o)
@@ -111,6 +111,22 @@ def moe_rowwise(block, x: torch.Tensor) -> torch.Tensor:
     return (y + shared).view(B, T, H)
 
 
+def block(trunk, layer, kind: str, h, pos, cos, sin, state: tuple, rows: tuple | None):
+    """One decoder layer: mixer (GDN or gated attention) and MLP, each with its residual. state: this layer's
+    cache views (KVCache.layer / GDNState.layer); rows: its verify stash rows, None for prefill. No layer
+    numbers inside, so torch.compile compiles it once per layer kind and reuses it for every layer."""
+    x = layer.input_layernorm(h)
+    if kind == "linear_attention":
+        if rows is not None:
+            x = gdn.verify(layer.linear_attn, x, *state, trunk.backends, rows)
+        else:
+            x = gdn.prefill(layer.linear_attn, x, *state, trunk.backends)
+    else:
+        x = attention(layer.self_attn, x, pos, cos, sin, *state)
+    h = h + trunk.reduce(x)
+    return h + trunk.reduce(mlp(layer, h))
+
+
 def layer_slots(kinds: list[str]) -> list[int]:
     """Each layer's index within its own cache: the n-th GDN layer uses GDN slot n, likewise for attention."""
     seen: dict[str, int] = {}
@@ -136,6 +152,7 @@ class Trunk:
     slots: list[int] = field(default_factory=list)  # index of each layer in its cache (GDN or KV)
     group: object | None = None  # tensor parallelism: an object with all_reduce(x) and gather_vocab(x) (tp.py)
     graphs: object | None = None  # graphs.GraphRunner: verify steps replayed as CUDA graphs
+    compiled_block: object | None = None  # torch.compile(block): one compiled region per layer kind (graphs.py)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum partial outputs of row-parallel projections across ranks (identity on one device)."""
@@ -186,17 +203,14 @@ class Trunk:
         h = self.embed(tokens)
         cos, sin = self.position_embeddings(h, pos, T)
         stash = caches.stash_for(T, self) if verify else None
+        # the compiled block serves graph capture only (pos on the device, fixed widths); prefill stays eager
+        step = self.compiled_block if self.compiled_block is not None and not isinstance(pos, int) else block
         for layer, kind, slot in zip(self.layers, self.kinds, self.slots):
-            x = layer.input_layernorm(h)
             if kind == "linear_attention":
-                if verify:
-                    x = gdn.verify(layer.linear_attn, x, slot, caches.gdn, self.backends, stash)
-                else:
-                    x = gdn.prefill(layer.linear_attn, x, slot, caches.gdn, self.backends)
+                state, rows = caches.gdn.layer(slot), stash.rows(slot) if stash is not None else None
             else:
-                x = attention(layer.self_attn, x, pos, cos, sin, caches.kv, slot)
-            h = h + self.reduce(x)
-            h = h + self.reduce(mlp(layer, h))
+                state, rows = caches.kv.layer(slot), None
+            h = step(self, layer, kind, h, pos, cos, sin, state, rows)
         if stash is not None:
             stash.width = T
         return self.lm.model.norm(h)

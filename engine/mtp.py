@@ -81,7 +81,7 @@ class MTPHead(nn.Module):
         h = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], -1))  # embedding first, hidden second
         cos, sin = trunk.position_embeddings(h, pos, h.shape[1])
         layer = self.layers[0]
-        h = h + trunk.reduce(attention(layer.self_attn, layer.input_layernorm(h), pos, cos, sin, cache, 0))
+        h = h + trunk.reduce(attention(layer.self_attn, layer.input_layernorm(h), pos, cos, sin, *cache.layer(0)))
         h = h + trunk.reduce(mlp(layer, h))
         out = self.norm(h)
         return trunk.logits(out[:, -1:] if last_only else out), out

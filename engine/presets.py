@@ -51,6 +51,34 @@ def preset_config(preset: str, layers: int | None):
     return family, family.text_config({"model_type": model_type, **kw}), {"model_type": model_type, **kw}
 
 
+PLANTED_STEP = 7  # next(t) = (7 t + 1) mod V: a permutation for every preset's vocabulary (V not divisible by 7)
+
+
+def planted_next(t: int, vocab: int) -> int:
+    return (PLANTED_STEP * t + 1) % vocab
+
+
+@torch.no_grad()
+def plant_next_token_map(embed: torch.Tensor, lm_head: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+    """Make a random model's greedy choice decisive: the embedding dominates the residual stream and lm_head row
+    planted_next(t) points along embedding t, so the argmax is planted_next(last token) by a wide margin.
+
+    With plain random weights the top logits of 150k-250k near-Gaussian logits differ by less than bf16 noise,
+    so a verify pass (width k+1) and a decode step (width 1) pick different argmaxes and the oracle drafter at
+    "acceptance 1.0" is mostly rejected. Every weight is still read and every kernel still runs: speed is that
+    of the real shape. rows: this rank's lm_head rows [start, end) under tensor parallelism."""
+    V = embed.shape[0]
+    start, end = rows or (0, V)
+    # residual-stream scale: each sub-layer adds roughly unit-RMS output; the embedding must dominate all of them
+    # (a fixed generator: under tensor parallelism every rank holds the same replicated embedding)
+    embed.normal_(0.0, 300.0, generator=torch.Generator(embed.device).manual_seed(1234))
+    inverse = pow(PLANTED_STEP, -1, V)
+    for a in range(start, end, 16384):  # in slices: a float32 copy of a 248k-row embedding would be 5 GB
+        b = min(a + 16384, end)
+        unit = embed[((torch.arange(a, b, device=embed.device) - 1) * inverse) % V].float()
+        lm_head[a - start : b - start] = (unit / unit.norm(dim=-1, keepdim=True)).to(lm_head.dtype)
+
+
 def random_model(preset: str, layers: int | None, device: str | None, dtype: str | None, seed: int = 0) -> Loaded:
     from .mtp import MTPHead
 
@@ -65,6 +93,7 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
             head = MTPHead(MTPHead.layer_config(cfg, bool(kw.get("num_experts"))), family, 1)
     finally:
         torch.set_default_dtype(old)
+    plant_next_token_map(lm.model.embed_tokens.weight, lm.lm_head.weight)
     lm.eval()
     kinds = list(cfg.layer_types)
     trunk = Trunk(family, cfg, lm, Rotary(cfg, dev), dev, dt, select_backends(dev), kinds, layer_slots(kinds))

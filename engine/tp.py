@@ -348,7 +348,7 @@ def random_model(preset: str, layers: int | None, group: TPGroup, dtype: str | N
     from .kernels import select_backends
     from .model import Loaded, Rotary, Trunk, default_device_dtype, layer_slots
     from .mtp import MTPHead
-    from .presets import preset_config
+    from .presets import plant_next_token_map, preset_config
 
     family, cfg, kw = preset_config(preset, layers)
     dev, dt, fallbacks = default_device_dtype(str(group.device), dtype)
@@ -369,6 +369,7 @@ def random_model(preset: str, layers: int | None, group: TPGroup, dtype: str | N
             for name, p in module.named_parameters():
                 if plan.selection(prefix + name, tuple(p.shape)) is None:
                     group.broadcast_(p.data)
+    plant_next_token_map(lm.model.embed_tokens.weight, lm.lm_head.weight, plan.vrange)  # same seed on every rank
     lm.eval()
     head.eval()
     kinds = list(lcfg.layer_types)

@@ -45,7 +45,8 @@ def test_cuda_graphs_certified_and_lossless(name, ckpt):
         assert tokens(graphs, prompt, depth, OracleDrafter(plain, len(prompt), 0.4, vocab, seed=depth)) == plain
     report = graphs.diagnostics()["compile"]["cuda_graphs"]
     assert report["failure"] is None and set(report["captured_widths"]) >= {1, 2, 4}
-    assert all(int(n) > 5 for n in report["replays"].values())
+    # the widths of depths 0, 1 and 3 replayed many times (a clipped last cycle may use another width once)
+    assert all(int(report["replays"][str(w)]) > 5 for w in (1, 2, 4))
     captures = report["captures"]
     tokens(graphs, prompt, 3)  # a further request re-uses the captured graphs: no re-capture
     assert graphs.diagnostics()["compile"]["cuda_graphs"]["captures"] == captures

@@ -1,0 +1,101 @@
+"""Where one decode step's GPU time goes: the CUDA kernels of a plain (width-1) verify step, grouped by name.
+
+    python packaging/bench/profile_step.py --random-weights qwen3.5-27b [--layers N] [--json OUT]
+
+Runs the eager step under torch.profiler (kernel count and GPU time per kernel family) and times the same step
+as a CUDA graph replay. The gap between the sum of kernel times and the graph replay is launch overhead the
+graph cannot remove (there is none); the gap between the eager step and the replay is what the graph removes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+
+import torch
+
+from engine import Engine
+from engine.presets import random_model, weight_bytes_per_token
+
+
+def family_of(name: str) -> str:
+    """Collapse template arguments and Triton suffixes so that kernels of one kind add up."""
+    name = re.sub(r"<.*", "", name)
+    name = re.sub(r"_\d+$", "", name)
+    return name[:90]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--random-weights", default="qwen3.5-27b")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    engine = Engine(random_model(args.random_weights, args.layers, "cuda", "bfloat16"), None, set(),
+                    cuda_graphs=True, compile=args.compile)
+    trunk, caches, runner = engine.trunk, engine.caches, engine.graph_runner
+    caches.reset()
+    caches.kv.reserve(64)
+    with torch.inference_mode():
+        trunk.forward(torch.arange(1, 33, device="cuda")[None], 0, caches, verify=False)
+        caches.processed = 32
+        tok = torch.tensor([[7]], device="cuda")
+
+        def eager():
+            trunk.graphs = None
+            out = trunk.forward(tok, caches.processed, caches, verify=True)
+            trunk.graphs = runner
+            return out
+
+        def timed(fn, n):
+            fn()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t) / n * 1e3
+
+        eager_ms = timed(eager, args.steps)
+        replay_ms = timed(lambda: trunk.forward(tok, caches.processed, caches, verify=True), args.steps * 4)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                eager()
+            torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(family_of(ev.name), [0, 0.0])
+            k[0] += 1
+            k[1] += ev.device_time_total / 1e3
+    total_ms = sum(v[1] for v in kernels.values()) / args.steps
+    count = sum(v[0] for v in kernels.values()) / args.steps
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]
+    wbytes = weight_bytes_per_token(trunk)
+    res = {
+        "model": f"random:{args.random_weights}" + (f" ({args.layers} layers)" if args.layers else ""),
+        "gpu": torch.cuda.get_device_name(), "compiled": trunk.compiled_block is not None,
+        "eager_step_ms": eager_ms, "graph_replay_ms": replay_ms, "kernel_ms_per_step": total_ms,
+        "kernels_per_step": count, "weight_bytes_per_token": wbytes,
+        "replay_fraction_of_4_8TBps": wbytes / (replay_ms / 1e3) / 4.8e12,
+        "graphs": runner.report(),
+        "top_kernels": [{"kernel": k, "calls_per_step": v[0] / args.steps, "ms_per_step": v[1] / args.steps}
+                        for k, v in top],
+    }
+    print(f"eager step {eager_ms:.2f} ms, graph replay {replay_ms:.2f} ms, kernels {total_ms:.2f} ms in "
+          f"{count:.0f} launches; replay reaches {res['replay_fraction_of_4_8TBps']:.1%} of 4.8 TB/s")
+    for row in res["top_kernels"]:
+        print(f"  {row['ms_per_step']:8.3f} ms  {row['calls_per_step']:6.1f}x  {row['kernel']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Graph replay of the fixed-shape steps (trunk verify, MTP draft and refresh) over static buffers, with the
+device-side position. On the CPU a re-run stands in for the CUDA graph (graphs.Rerun): the buffer handling,
+the position tensor, the static outputs and the re-capture rules are what is tested here; tests/test_gpu.py
+certifies real capture on a GPU."""
+
+from pathlib import Path
+
+import pytest
+
+import engine
+from engine import GenerationSettings, load_engine
+from engine.drafters import OracleDrafter
+from engine.events import Finished, Tokens
+
+
+def run(engine, prompt, depth, drafter=None, n=24):
+    events = list(engine.generate(prompt, GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True),
+                                  drafter=drafter))
+    return [t for e in events if isinstance(e, Tokens) for t in e.token_ids], events[-1]
+
+
+DEMO = str(Path(engine.__file__).parent / "assets" / "demo")
+
+
+@pytest.mark.parametrize("name", ["demo", "next", "q35_moe"])
+def test_replayed_steps_equal_eager_and_replays_are_counted(name, ckpt, engines):
+    """The demo model's trained head gets drafts accepted (refreshes over several positions); the tiny random
+    fixtures cover the other families' layouts (their heads draft, but nothing they draft is accepted)."""
+    path = DEMO if name == "demo" else str(ckpt(name))
+    eager = load_engine(path) if name == "demo" else engines(name)
+    graphs = load_engine(path, cuda_graphs=True)
+    prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    plain, _ = run(eager, prompt, 0)
+    vocab = graphs.trunk.config.vocab_size
+    for depth in (0, 1, 3):
+        tokens, fin = run(graphs, prompt, depth)
+        assert tokens == plain
+        assert isinstance(fin, Finished)
+        if depth:
+            assert fin.stats["drafted"] > 0 and (fin.stats["accepted"] > 0 or name != "demo")
+        assert run(graphs, prompt, depth, OracleDrafter(plain, len(prompt), 0.4, vocab, seed=depth))[0] == plain
+    report = graphs.diagnostics()["compile"]
+    trunk, mtp = report["cuda_graphs"], report["mtp_cuda_graphs"]
+    assert trunk["failure"] is None and mtp["failure"] is None
+    assert all(trunk["replays"][str(w)] > 5 for w in (1, 2, 4))  # plain, depth 1, depth 3 verify widths
+    assert mtp["replays"]["1"] > 5  # draft steps (and one-position refreshes)
+    if name == "demo":
+        assert sum(mtp["replays"].values()) > mtp["replays"]["1"]  # refreshes over several accepted positions
+    captures = (trunk["captures"], mtp["captures"])
+    assert run(graphs, prompt, 3)[0] == plain  # a later request re-uses the captured graphs
+    again = graphs.diagnostics()["compile"]
+    assert (again["cuda_graphs"]["captures"], again["mtp_cuda_graphs"]["captures"]) == captures
+
+
+def test_a_longer_request_recaptures_after_the_caches_grow(ckpt, engines):
+    eager = engines("next")
+    graphs = load_engine(str(ckpt("next")), cuda_graphs=True)
+    prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    run(graphs, prompt, 2, n=8)
+    before = graphs.diagnostics()["compile"]["cuda_graphs"]["captures"]
+    long_prompt = prompt * 12  # past the first KV reservation chunk: caches reallocated, graphs re-captured
+    tokens, _ = run(graphs, long_prompt, 2, n=40)
+    assert tokens == run(eager, long_prompt, 0, n=40)[0]
+    assert graphs.diagnostics()["compile"]["cuda_graphs"]["captures"] > before
