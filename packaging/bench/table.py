@@ -14,7 +14,8 @@ def table(path: Path) -> str:
     v = r.get("versions", {})
     head = (f"**{r['model']}** on {r.get('gpu') or r['device']}, {r['dtype']}, {r['max_new_tokens']} tokens "
             f"(median of {r['repeat']} warm runs); torch {v.get('torch')}, transformers {v.get('transformers')}, "
-            f"FLA {v.get('flash-linear-attention') or '-'}; `{r.get('command', '')}` (`{path.name}`)")
+            f"FLA {v.get('flash-linear-attention') or '-'}, GDN kernels {r.get('backends', {}).get('gdn_recurrent', '?')}; "
+            f"`{r.get('command', '')}` (`{path.name}`)")
     rows = ["| depth | drafter | mode | tok/s | vs plain | acceptance | mean accepted length | same text |",
             "|---:|---|---|---:|---:|---:|---:|---|"]
     failed = (r.get("cuda_graphs") or {}).get("failure")
@@ -34,10 +35,51 @@ def table(path: Path) -> str:
     return "\n".join([head, "", *rows, "", *tail])
 
 
+def turns(path: Path) -> str:
+    r = json.loads(path.read_text())
+    pick = {(x["turn"], x["reuse"]): x for x in r["rows"]}
+    shown = [t for t in (1, 5, 10) if (t, True) in pick]
+
+    def side(reuse: bool) -> str:
+        ms = " / ".join(f"{pick[t, reuse]['ttft_ms']:.0f}" for t in shown)
+        pre = " / ".join(str(pick[t, reuse]["prefilled_tokens"]) for t in shown)
+        return f"{ms} ms ({pre} tokens prefilled)"
+
+    return (f"Multi-turn time to first token, **{r['model']}** on {r['device']} (`packaging/bench/turns.py`, "
+            f"`{path.name}`): turns {' / '.join(map(str, shown))} take {side(True)} with reuse and {side(False)} "
+            f"without.")
+
+
+def precision(path: Path) -> str:
+    r = json.loads(path.read_text())
+    parts = []
+    for dtype, x in r["precision"].items():
+        div = x["first_divergence"]
+        parts.append(f"{dtype} {100 * x['identical_share']:.0f}% of {x['runs']} identical to plain"
+                     + (f" (first divergences at tokens {', '.join(map(str, div))})" if div else ""))
+    return (f"Precision report, **{r['model']}**, depth {r['depth']}, {r['max_new_tokens']} tokens "
+            f"(`{r['command']}`): {'; '.join(parts)}.")
+
+
+def profile(path: Path) -> str:
+    r = json.loads(path.read_text())
+    top = ", ".join(f"{k['kernel'][:40]} {k['ms_per_step']:.2f} ms" for k in r["top_kernels"][:4])
+    return (f"One plain decode step, **{r['model']}** on {r['gpu']} (`packaging/bench/profile_step.py`, "
+            f"`{path.name}`): eager {r['eager_step_ms']:.1f} ms, graph replay {r['graph_replay_ms']:.1f} ms "
+            f"({100 * r['replay_fraction_of_4_8TBps']:.0f}% of 4.8 TB/s), {r['kernels_per_step']:.0f} kernels taking "
+            f"{r['kernel_ms_per_step']:.1f} ms; the largest: {top}.")
+
+
 def main() -> None:
     for path in sorted(HERE.glob("*.json")):
-        if "results" in json.loads(path.read_text()):
+        r = json.loads(path.read_text())
+        if "results" in r:
             print(table(path) + "\n")
+    for path in sorted(HERE.glob("*.json")):
+        r = json.loads(path.read_text())
+        render = turns if "rows" in r else precision if "precision" in r else profile if "top_kernels" in r else None
+        if render:
+            print(render(path) + "\n")
 
 
 if __name__ == "__main__":
