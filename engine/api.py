@@ -280,6 +280,7 @@ class Engine:
             "acceptance_rate": req.accepted / req.drafted if req.drafted else 0.0,
             "mean_accepted_length": (len(req.generated) - 1) / req.cycles if req.cycles else 0.0,
             "per_position_acceptance": [a / d if d else 0.0 for d, a in req.per_position],
+            "per_position_counts": [list(x) for x in req.per_position],  # [drafted, accepted] per position
             "tokens_per_s": (len(req.generated) - 1) / decode_s if len(req.generated) > 1 else 0.0,
             "ttft_ms": ttft,
             "total_s": elapsed,

@@ -97,6 +97,37 @@ def speed(tok, lm, n: int = 128) -> float:
     return best
 
 
+def engine_depths(model_dir: Path, prompts: list[str], depths=(1, 2, 3, 4), max_new_tokens: int = 96) -> dict:
+    """mtpchat's own speculative loop on the same prompts (greedy, float32, CPU): per depth, the acceptance at
+    each draft position and the mean accepted length (tokens per verify pass)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from engine import GenerationSettings, load_engine
+    from engine.events import Finished
+
+    eng = load_engine(str(model_dir), device="cpu", dtype="float32")
+    out = {}
+    for depth in depths:
+        per_pos, tokens, cycles = [[0, 0] for _ in range(depth)], 0, 0
+        for p in prompts:
+            fin = None
+            for ev in eng.chat([{"role": "user", "content": p}],
+                               GenerationSettings(max_new_tokens=max_new_tokens, depth=depth)):
+                if isinstance(ev, Finished):
+                    fin = ev
+            st = fin.stats
+            for i, (d, a) in enumerate(st["per_position_counts"]):
+                per_pos[i][0] += d
+                per_pos[i][1] += a
+            tokens += st["generated_tokens"] - 1  # the first token comes from the prefill, not a cycle
+            cycles += st["cycles"]
+        out[str(depth)] = {"per_position_acceptance": [round(a / max(1, d), 3) for d, a in per_pos],
+                           "mean_accepted_length": round(tokens / max(1, cycles), 3), "cycles": cycles}
+        print(f"depth {depth}: {out[str(depth)]}", flush=True)
+    return out
+
+
 def evaluate(model_dir: Path, heldout: Path | None, out_json: Path | None, n_heldout: int = 40) -> dict:
     torch.manual_seed(0)
     threads = torch.get_num_threads()
@@ -122,13 +153,14 @@ def evaluate(model_dir: Path, heldout: Path | None, out_json: Path | None, n_hel
         samples.append({"prompt": p, "reply": text, "new_tokens": int(new.numel()), "ended_with_im_end": stopped,
                         "accepted": a, "drafted": b, "heldout": i >= len(PROMPTS)})
         print(f"[{i}] user: {p}\n    assistant: {text}\n    ({new.numel()} tokens, eos={stopped}, acceptance {a}/{b})", flush=True)
+    depths = engine_depths(model_dir, prompts)
     sp = {}
     for n in sorted({1, threads}):
         torch.set_num_threads(n)
         sp[str(n)] = speed(tok, lm)
     torch.set_num_threads(threads)
     res = {"prompts": len(prompts), "acceptance_depth1": ok / max(1, tot), "accepted": ok, "drafted": tot,
-           "ended_with_im_end": ended, "speed": sp, "params": sum(p.numel() for p in lm.parameters()),
+           "ended_with_im_end": ended, "engine_depths": depths, "speed": sp, "params": sum(p.numel() for p in lm.parameters()),
            "samples": samples}
     print(json.dumps({k: v for k, v in res.items() if k != "samples"}, indent=1))
     if out_json:
