@@ -36,7 +36,11 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One token per row, distributed as probs: argmax of p / E with E ~ Exp(1) i.i.d. (the exponential race).
+    Unlike torch.multinomial it never waits for the device, which keeps a sampled cycle at one host sync."""
+    # clamped: an exact 0 draw would make 0 / 0 = NaN for a token of probability 0, and argmax picks NaN
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(1e-30)
+    return (probs / race).argmax(-1)
 
 
 def verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, params: SamplingParams,
