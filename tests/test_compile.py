@@ -65,3 +65,35 @@ def test_verify_and_prefill_compile_fullgraph(engine):
         torch.testing.assert_close(compiled(tokens, pos), eager)
         # a later cycle at another position re-uses the compiled graph (position is a tensor, not a constant)
         torch.testing.assert_close(compiled(tokens, pos + 1), verify_step(tokens, pos + 1))
+
+
+def test_one_compiled_region_per_layer_kind_and_width(engine):
+    """Regional compilation (graphs.compile_block): the decoder layer compiles once per (layer kind, verify width)
+    and every layer of that kind reuses it — not once per layer, and not one unrolled graph per width."""
+    from torch._dynamo.utils import counters
+
+    from engine.graphs import compile_block
+
+    trunk, caches = engine.trunk, engine.caches
+    prompt = torch.tensor(engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}]))
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.inference_mode():
+        caches.reset()
+        caches.kv.reserve(prompt.shape[0] + 16)
+        caches.stash_for(8, trunk)
+        trunk.forward(prompt[None], 0, caches, verify=False)
+        caches.processed = prompt.shape[0]
+        pos = torch.tensor(caches.processed)
+        widths = (1, 2, 4)
+        eager = {T: trunk.forward(torch.arange(5, 5 + T)[None], pos, caches, verify=True).clone() for T in widths}
+        trunk.compiled_block = compile_block("aot_eager")
+        try:
+            for T in widths + widths:  # the second round re-uses every compiled region
+                out = trunk.forward(torch.arange(5, 5 + T)[None], pos, caches, verify=True)
+                torch.testing.assert_close(out, eager[T])
+        finally:
+            trunk.compiled_block = None
+    kinds = len(set(trunk.kinds))
+    assert len(trunk.kinds) > kinds  # several layers share each kind
+    assert counters["stats"]["unique_graphs"] == kinds * len(widths)
