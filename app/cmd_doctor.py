@@ -57,12 +57,13 @@ def backends_for(device) -> dict[str, dict]:
 def collect(model: str | None = None, device_request: str | None = None) -> dict:
     """The whole report as a JSON-ready dict. Raises DeviceUnavailable for a bad `device_request`."""
     from engine.discovery import choose, discover, fallbacks_for
-    from engine.environment import compile_capability, fla_status, list_devices, package_versions, probe_device
+    from engine.environment import (compile_capability, fla_status, list_devices, package_versions, probe_device,
+                                    visible_gpus)
 
     device = probe_device(device_request)
     pinned, pinned_from = (model, "--model") if model else (settings_model(), "settings")
     candidates = discover(device=device)
-    choice = choose(candidates, device, pinned=pinned)
+    choice = choose(candidates, device, pinned=pinned, gpus=visible_gpus(device))
     usable, why = fla_status(device)
     return {
         "device": device.to_json(),

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from engine.discovery import choose, discover
-    from engine.environment import DeviceUnavailable, probe_device
+    from engine.environment import DeviceUnavailable, probe_device, visible_gpus
 
     paths = list(getattr(args, "paths", None) or [])
     for p in paths:
@@ -61,7 +61,7 @@ def _run(args: argparse.Namespace) -> int:
         _error(str(e))
         return 2
     candidates = discover(paths, device=device)
-    choice = choose(candidates, device, pinned=settings_model())
+    choice = choose(candidates, device, pinned=settings_model(), gpus=visible_gpus(device))
     picked = choice.candidate.path if choice.candidate else None
 
     if getattr(args, "json", False):

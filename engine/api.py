@@ -362,10 +362,11 @@ def _load_engine(path, device, dtype, cuda_graphs, tp, compile=None) -> Engine:
 def default_model_path(exclude: set[str] = frozenset()) -> str:
     """The discovered model `choose` prefers (see discovery.py), skipping paths already tried."""
     from .discovery import choose, discover
-    from .environment import probe_device
+    from .environment import probe_device, visible_gpus
 
     candidates = [c for c in discover() if c.path not in exclude]
-    choice = choose(candidates, probe_device(None))
+    device = probe_device(None)
+    choice = choose(candidates, device, gpus=visible_gpus(device))
     if choice.candidate is not None:
         return choice.candidate.path
     if EMBEDDED.exists() and str(EMBEDDED) not in exclude:

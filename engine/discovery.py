@@ -486,18 +486,39 @@ def _size_text(c: Candidate, device: DeviceInfo) -> str:
            f"{device.torch_device}"
 
 
-def _why_not(c: Candidate, device: DeviceInfo) -> str:
+def tp_degree(c: Candidate, gpus: list[DeviceInfo]) -> int | None:
+    """The smallest tensor-parallel degree (2, 4 or 8, at most the GPUs visible) at which each rank's share fits
+    its GPU: weights and their margin split N ways (each rank reads only its slices), plus a runtime margin."""
+    if not c.supported or c.mem_bytes is None:
+        return None
+    for n in (2, 4, 8):
+        if n > len(gpus):
+            break
+        if c.mem_bytes / n + MARGIN_BYTES["cuda"] <= min(g.available_bytes for g in gpus[:n]):
+            return n
+    return None
+
+
+def _tp_hint(c: Candidate, gpus: list[DeviceInfo]) -> str:
+    n = tp_degree(c, gpus)
+    return f"; fits across {n} of the {len(gpus)} GPUs: run it with --tp {n}" if n else ""
+
+
+def _why_not(c: Candidate, device: DeviceInfo, gpus: list[DeviceInfo] = ()) -> str:
     if not c.supported:
         return c.reason
     if c.mem_bytes is None:
         return "size unknown"
-    return f"does not fit: {_size_text(c, device)}"
+    return f"does not fit: {_size_text(c, device)}{_tp_hint(c, list(gpus))}"
 
 
-def choose(candidates: list[Candidate], device: DeviceInfo, pinned: str | None = None) -> Choice:
+def choose(candidates: list[Candidate], device: DeviceInfo, pinned: str | None = None,
+           gpus: list[DeviceInfo] = ()) -> Choice:
     """The best supported model that fits `device`: a real checkpoint over the embedded demo, MTP-capable over
     plain, then the larger. A pinned model (name or path) wins when it is supported, even if it may not fit;
-    otherwise the automatic pick is made and `pinned_error` says why the pin was not honoured."""
+    otherwise the automatic pick is made and `pinned_error` says why the pin was not honoured. gpus: every
+    visible GPU; a model too large for `device` alone is then shown with the --tp degree that would fit it."""
+    gpus = list(gpus)
     cands = [assess(c, device) for c in candidates]
     pinned_error = None
     if pinned:
@@ -514,13 +535,13 @@ def choose(candidates: list[Candidate], device: DeviceInfo, pinned: str | None =
             reason = f"{hit.name}: pinned"
             reason += f"; {_describe(hit)}"
             if not hit.fits_device:
-                reason += f"; warning: may not fit ({_size_text(hit, device)})"
+                reason += f"; warning: may not fit ({_size_text(hit, device)}){_tp_hint(hit, gpus)}"
             rejected = [(c.name, "a model is pinned") for c in cands if c is not hit]
             return Choice(hit, reason, rejected)
 
     usable = sorted((c for c in cands if c.supported and c.fits_device), key=_rank, reverse=True)
     if not usable:
-        rejected = [(c.name, _why_not(c, device)) for c in cands]
+        rejected = [(c.name, _why_not(c, device, gpus)) for c in cands]
         if not cands:
             reason = "no models were found (searched the given folders, $MTPCHAT_MODELS, the Hugging Face cache " \
                      "and the embedded demo model)"
@@ -533,6 +554,7 @@ def choose(candidates: list[Candidate], device: DeviceInfo, pinned: str | None =
             reason = f"no supported model fits {device.describe()}"
             if smallest is not None:
                 reason += f"; the smallest, {smallest.name}, needs {format_bytes(smallest.mem_bytes)}"
+                reason += _tp_hint(smallest, gpus)
         if pinned_error:
             reason = f"{pinned_error}; {reason}"
         return Choice(None, reason, rejected, pinned_error)
@@ -564,7 +586,7 @@ def choose(candidates: list[Candidate], device: DeviceInfo, pinned: str | None =
                 r = f"smaller than {best.name}"
             rejected.append((c.name, r))
         else:
-            rejected.append((c.name, _why_not(c, device)))
+            rejected.append((c.name, _why_not(c, device, gpus)))
     return Choice(best, reason, rejected, pinned_error)
 
 

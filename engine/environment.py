@@ -196,6 +196,11 @@ def probe_device(requested: str | None = None) -> DeviceInfo:
     raise DeviceUnavailable(f"bad device {requested!r}: expected cpu, cuda, cuda:N or auto")
 
 
+def visible_gpus(device: DeviceInfo) -> list[DeviceInfo]:
+    """Every CUDA device when running on CUDA (what tensor parallelism could use), else none."""
+    return [d for d in list_devices() if d.kind == "cuda"] if device.kind == "cuda" else []
+
+
 def list_devices() -> list[DeviceInfo]:
     """Every CUDA device, then the CPU."""
     devices = []

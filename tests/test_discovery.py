@@ -381,3 +381,25 @@ def test_probe_device_and_versions():
     assert {"python", "torch", "cuda", "transformers", "fla", "triton", "textual"} <= set(v)
     assert v["torch"] == torch.__version__
     assert run_dtype(cpu, "bfloat16") == "float32"
+
+
+def test_a_model_too_large_for_one_gpu_is_shown_with_the_tp_degree_that_fits(env):
+    """Discovery counts every visible GPU: a model that does not fit one says which --tp would fit it."""
+    import dataclasses
+
+    from engine.discovery import tp_degree
+
+    moe = dataclasses.replace(by_name(discover([str(env["moe"])], device=BIG))["moe"], params=80 * 10**9)  # ~160 GB bf16
+
+    def gpus(n, gib):
+        return [DeviceInfo(kind="cuda", name=f"gpu{gib}", total_bytes=gib << 30, free_bytes=gib << 30, index=i)
+                for i in range(n)]
+
+    h200s, a100s = gpus(8, 141), gpus(4, 80)
+    assert tp_degree(assess(moe, h200s[0]), h200s) == 2
+    assert tp_degree(assess(moe, a100s[0]), a100s) == 4
+    assert tp_degree(assess(moe, a100s[0]), a100s[:2]) is None
+    ch = choose([moe], h200s[0], gpus=h200s)
+    assert ch.candidate is None and "fits across 2 of the 8 GPUs: run it with --tp 2" in ch.reason
+    assert "run it with --tp 2" in dict(ch.rejected)["moe"]
+    assert "--tp" not in choose([moe], h200s[0]).reason  # no other GPU visible: no suggestion
