@@ -38,7 +38,6 @@ import argparse
 import csv
 import json
 import math
-import random
 import sys
 import time
 import traceback
@@ -343,20 +342,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
     dev = args.device
-    import transformers
-
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "device": dev,
-            "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else None}
-    try:
-        from transformers.utils.import_utils import is_flash_linear_attention_available
-
-        info["fla_available"] = bool(is_flash_linear_attention_available())
-    except Exception as e:
-        info["fla_available"] = f"unknown ({e})"
+    info = train.seed_and_describe(args.seed, dev)
     log("env:", json.dumps(info))
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

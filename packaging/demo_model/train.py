@@ -240,6 +240,24 @@ def save_outputs(lm, out: Path, shard_bytes: int = 12 * 2**20) -> list[str]:
     return names
 
 
+def seed_and_describe(seed: int, dev: str) -> dict:
+    """Seed every generator; return the run's environment for the logs (versions, GPU, FLA importable)."""
+    import transformers
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "device": dev,
+            "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else None}
+    try:
+        from transformers.utils.import_utils import is_flash_linear_attention_available
+
+        info["fla_available"] = bool(is_flash_linear_attention_available())
+    except Exception as e:  # older/newer names
+        info["fla_available"] = f"unknown ({e})"
+    return info
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", type=Path, required=True)
@@ -260,20 +278,8 @@ def main(argv=None) -> int:
     t_start = time.time()
     budget_s = args.minutes * 60
     args.out.mkdir(parents=True, exist_ok=True)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
     dev = args.device
-    import transformers
-
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "device": dev,
-            "gpu": torch.cuda.get_device_name(0) if dev == "cuda" else None}
-    try:
-        from transformers.utils.import_utils import is_flash_linear_attention_available
-
-        info["fla_available"] = bool(is_flash_linear_attention_available())
-    except Exception as e:  # older/newer names
-        info["fla_available"] = f"unknown ({e})"
+    info = seed_and_describe(args.seed, dev)
     print("env:", json.dumps(info), flush=True)
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
