@@ -4,6 +4,7 @@
 #   bash packaging/bench/h200.sh distill  # the demo model's MTP head distillation (then export + evaluate on a CPU)
 #   bash packaging/bench/h200.sh speed    # 27B shape eager / graphs / graphs+compile, GPU tests, 80B-A3B slice
 #   bash packaging/bench/h200.sh profile  # kernels of one 27B-shape decode step
+#   bash packaging/bench/h200.sh tp1      # --tp 1 through the distributed path vs the plain engine (eager both)
 #   bash packaging/bench/h200.sh turns    # multi-turn TTFT on the 27B shape
 #   bash packaging/bench/h200.sh demo     # the demo model: greedy and sampled speed, precision report
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
@@ -34,6 +35,13 @@ distill)  # the demo model's MTP head, self-distilled from its frozen trunk (pac
   # only the head changed: bring back its tensors and the logs (the trunk is build/trained's, bit for bit)
   cp /tmp/distilled/distill_log.json /tmp/distilled/distill.csv "$OUT/"
   python3 -c "import glob,safetensors.torch as st; st.save_file({k: v for f in glob.glob('/tmp/distilled/weights-*.safetensors') for k, v in st.load_file(f).items() if k.startswith('mtp.')}, '$OUT/mtp_distilled.safetensors')"
+  ;;
+tp1)  # #8: --tp 1 through torch.distributed (NCCL, eager steps) against the plain engine with eager steps
+  bench --random-weights qwen3.5-27b --no-graphs --depths 0 --max-new-tokens 32 --repeat 3 --no-hf \
+        --out "$OUT/bench27b_eager_h200.json"
+  # one rank under torchrun: the distributed path (process group, sharded loader, all_reduce hooks) at N = 1
+  timeout 300 python3 -m torch.distributed.run --nproc-per-node 1 -m app.cli bench --random-weights qwen3.5-27b \
+        --depths 0 --max-new-tokens 32 --repeat 3 --no-hf --out "$OUT/bench27b_tp1_h200.json" 2>&1 | tail -8
   ;;
 turns)
   timeout 200 python3 packaging/bench/turns.py --random-weights qwen3.5-27b --turns 10 --history-tokens 2000 \
