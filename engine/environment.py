@@ -335,7 +335,8 @@ def backend_plan(device: DeviceInfo | None) -> dict[str, dict]:
     on_cuda = device is not None and device.kind == "cuda"
     sdpa = "flash / memory-efficient backends on CUDA" if on_cuda else "math backend on CPU"
     plan["attention"] = {"backend": "torch", "reason": f"torch scaled_dot_product_attention ({sdpa})"}
-    plan["moe"] = {"backend": "torch", "reason": "torch expert dispatch (only the routed experts run)"}
+    plan["moe"] = {"backend": "torch", "reason": "device-side routing; decode widths as grouped GEMMs over "
+                   "expert-sorted rows on CUDA (after a self-check at load), row-wise batched matmuls elsewhere"}
     return plan
 
 

@@ -146,6 +146,7 @@ class Backends:
 
     gdn_chunk: object = field(default_factory=lambda: Kernel("torch", True))
     gdn_recurrent: object = field(default_factory=lambda: Kernel("torch", False))
+    moe_grouped: bool = False  # decode-width MoE as grouped GEMMs (model.moe_grouped) instead of row-wise
     choice: dict[str, tuple[str, str]] = field(default_factory=dict)  # op -> (backend, reason)
 
 

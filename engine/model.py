@@ -82,33 +82,91 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor) 
 MOE_ROWWISE_MAX_TOKENS = 32
 
 
-def mlp(layer, x: torch.Tensor) -> torch.Tensor:
+def mlp(layer, x: torch.Tensor, grouped: bool = False) -> torch.Tensor:
+    """grouped: decode / verify widths use one grouped GEMM per projection (CUDA, after a self-check at load)."""
     x = layer.post_attention_layernorm(x)
     block = layer.mlp
     if hasattr(block, "experts") and x.shape[1] <= MOE_ROWWISE_MAX_TOKENS:
-        return moe_rowwise(block, x)
+        return moe_grouped(block, x) if grouped else moe_rowwise(block, x)
     y = block(x)
     return y[0] if isinstance(y, tuple) else y
 
 
-def moe_rowwise(block, x: torch.Tensor) -> torch.Tensor:
-    """Sparse MoE for decode / verify widths: device-side routing, one batched matmul per projection, no Python
-    loop over experts, and every (token, expert) pair computed on its own, so a token's output does not depend
-    on which other tokens share the batch (the verify pass's rows must not depend on the rejected tail)."""
-    B, T, H = x.shape
-    h = x.reshape(-1, H)
+def route(block, h: torch.Tensor):
+    """Device-side routing of rows h [N, H]: top-k expert ids [N, k] and their weights."""
     router = block.gate
     probs = torch.softmax(F.linear(h, router.weight), dim=-1, dtype=torch.float)
     weights, idx = torch.topk(probs, router.top_k, dim=-1)
     if getattr(router, "norm_topk_prob", True):
         weights = weights / weights.sum(-1, keepdim=True)
+    return weights, idx
+
+
+def combine(block, h: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, shape) -> torch.Tensor:
+    """Weighted sum of each row's k expert outputs y [N * k, H], plus the gated shared expert."""
+    y = (y.view(h.shape[0], -1, h.shape[1]) * weights.to(y.dtype).unsqueeze(-1)).sum(1)
+    shared = block.shared_expert(h) * torch.sigmoid(block.shared_expert_gate(h))
+    return (y + shared).view(shape)
+
+
+def moe_rowwise(block, x: torch.Tensor) -> torch.Tensor:
+    """Sparse MoE for decode / verify widths: device-side routing, one batched matmul per projection, no Python
+    loop over experts, and every (token, expert) pair computed on its own, so a token's output does not depend
+    on which other tokens share the batch (the verify pass's rows must not depend on the rejected tail). It
+    gathers each pair's expert weights first: about three times the weight traffic of reading them in place."""
+    h = x.reshape(-1, x.shape[-1])
+    weights, idx = route(block, h)
     experts, flat = block.experts, idx.reshape(-1)
-    rows = h.repeat_interleave(router.top_k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+    rows = h.repeat_interleave(idx.shape[1], dim=0).unsqueeze(-1)  # [N * k, H, 1]
     gate, up = torch.bmm(experts.gate_up_proj[flat], rows).squeeze(-1).chunk(2, dim=-1)
     y = torch.bmm(experts.down_proj[flat], (experts.act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)
-    y = (y.view(-1, router.top_k, H) * weights.to(y.dtype).unsqueeze(-1)).sum(1)
-    shared = block.shared_expert(h) * torch.sigmoid(block.shared_expert_gate(h))
-    return (y + shared).view(B, T, H)
+    return combine(block, h, y, weights, x.shape)
+
+
+def moe_grouped(block, x: torch.Tensor) -> torch.Tensor:
+    """The same computation as moe_rowwise with the (token, expert) pairs sorted by expert and one grouped GEMM
+    per projection (torch._grouped_mm): each routed expert's weights are read in place, once, and experts
+    nobody routed to are not read at all. Group boundaries are computed on the device (no host sync: graph-safe)."""
+    h = x.reshape(-1, x.shape[-1])
+    weights, idx = route(block, h)
+    experts, flat = block.experts, idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    n_experts = experts.gate_up_proj.shape[0]
+    ends = torch.searchsorted(flat[order], torch.arange(n_experts, device=h.device), right=True).to(torch.int32)
+    rows = h[order // idx.shape[1]]  # the token of each sorted pair
+    gate, up = torch._grouped_mm(rows, experts.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    y_sorted = torch._grouped_mm(experts.act_fn(gate) * up, experts.down_proj.transpose(1, 2), offs=ends)
+    y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+    return combine(block, h, y, weights, x.shape)
+
+
+def choose_moe(trunk) -> None:
+    """Record the decode-width MoE path in the trunk's backends (used by mlp() through block())."""
+    grouped, why = grouped_moe_check(trunk)
+    trunk.backends.moe_grouped = grouped
+    if why != "no MoE layers":
+        trunk.backends.choice["moe"] = ("grouped_mm" if grouped else "rowwise", why)
+
+
+def grouped_moe_check(trunk) -> tuple[bool, str]:
+    """Whether moe_grouped may replace moe_rowwise here: CUDA only (on the CPU the row-wise form is the exact
+    reference the tests hold), and its output must match the row-wise one on the first MoE layer."""
+    layer = next((l for l in trunk.layers if hasattr(l.mlp, "experts")), None)
+    if layer is None:
+        return False, "no MoE layers"
+    if trunk.device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return False, "row-wise batched matmuls over gathered expert weights (grouped GEMM: CUDA only)"
+    try:
+        gen = torch.Generator(device=trunk.device).manual_seed(0)
+        x = torch.randn(1, 4, trunk.config.hidden_size, generator=gen, device=trunk.device, dtype=trunk.dtype)
+        with torch.inference_mode():
+            a, b = moe_grouped(layer.mlp, x).float(), moe_rowwise(layer.mlp, x).float()
+        err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+    except Exception as e:  # unsupported dtype (float32 on CUDA), architecture or layout
+        return False, f"row-wise batched matmuls (grouped GEMM unavailable: {type(e).__name__}: {str(e)[:120]})"
+    if not err < 2e-2:
+        return False, f"row-wise batched matmuls (grouped GEMM self-check mismatch {err:.2g})"
+    return True, f"grouped GEMM over expert-sorted rows, weights read in place (self-check {err:.1e})"
 
 
 def block(trunk, layer, kind: str, h, pos, cos, sin, state: tuple, rows: tuple | None):
@@ -124,7 +182,7 @@ def block(trunk, layer, kind: str, h, pos, cos, sin, state: tuple, rows: tuple |
     else:
         x = attention(layer.self_attn, x, pos, cos, sin, *state)
     h = h + trunk.reduce(x)
-    return h + trunk.reduce(mlp(layer, h))
+    return h + trunk.reduce(mlp(layer, h, trunk.backends.moe_grouped))
 
 
 def layer_slots(kinds: list[str]) -> list[int]:
@@ -336,6 +394,7 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> 
         if name == "torch" and op.startswith("gdn") and dev.type == "cuda":
             fallbacks.append(Fallback("fla", f"{op}: {why}"))
     trunk = Trunk(family, cfg, lm, rotary, dev, dt, backends, kinds, slots, group=tp)
+    choose_moe(trunk)
 
     mtp_keys = [k for k in files.keys() if k.startswith("mtp.")]
     declared = mtp_layers_declared(raw)

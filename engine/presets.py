@@ -8,7 +8,7 @@ from .errors import EngineError
 from .events import Fallback
 from .families import SUPPORTED
 from .kernels import select_backends
-from .model import Loaded, Rotary, Trunk, default_device_dtype, layer_slots
+from .model import Loaded, Rotary, Trunk, choose_moe, default_device_dtype, layer_slots
 
 PRESETS = {
     # Qwen3.5-27B (dense): 64 layers, 3 GDN : 1 attention
@@ -97,6 +97,7 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
     lm.eval()
     kinds = list(cfg.layer_types)
     trunk = Trunk(family, cfg, lm, Rotary(cfg, dev), dev, dt, select_backends(dev), kinds, layer_slots(kinds))
+    choose_moe(trunk)
     head.trunk = trunk
     head.eval()
     fallbacks.append(Fallback("weights", f"random weights in the {preset} shape: output text is meaningless"))

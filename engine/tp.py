@@ -346,7 +346,7 @@ def random_model(preset: str, layers: int | None, group: TPGroup, dtype: str | N
     norms, routers, the MTP fc) are broadcast from rank 0 so every rank computes the same thing."""
     from .events import Fallback
     from .kernels import select_backends
-    from .model import Loaded, Rotary, Trunk, default_device_dtype, layer_slots
+    from .model import Loaded, Rotary, Trunk, choose_moe, default_device_dtype, layer_slots
     from .mtp import MTPHead
     from .presets import plant_next_token_map, preset_config
 
@@ -376,6 +376,7 @@ def random_model(preset: str, layers: int | None, group: TPGroup, dtype: str | N
     slots = layer_slots(kinds)
     group.vocab_size = cfg.vocab_size
     trunk = Trunk(family, lcfg, lm, Rotary(lcfg, dev), dev, dt, select_backends(dev), kinds, slots, group=group)
+    choose_moe(trunk)
     group.plan = plan
     head.trunk = trunk
     fallbacks.append(Fallback("weights", f"random weights in the {preset} shape: output text is meaningless"))
