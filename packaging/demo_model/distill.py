@@ -216,10 +216,57 @@ class Pool:
 # ---------------------------------------------------------------------------------------------------------
 # loss and evaluation
 
-def distill_terms(lm, x: torch.Tensor, mask: torch.Tensor | None, amp, ce_weight: float):
-    """Loss on one batch x [B, T]. Teacher for MTP position p = the trunk's softmax at p+1 (it predicts t_{p+2}).
+def mtp_chain(lm, x: torch.Tensor, h: torch.Tensor):
+    """The head's first step (m1, exactly train.mtp_hidden) and its chained second step (m2), at every position.
 
-    Loss = KL(trunk || mtp) + ce_weight * CE(mtp, trunk argmax), mean over the counted positions.
+    m1 at position p: input h_p and t_{p+1}; predicts t_{p+2}. m2 at position p+1: input the head's own post-norm
+    output m1_p and t_{p+2}, as drafting at depth >= 2 does; predicts t_{p+3}. At run time that step's attention
+    sees the cache's step-1 entries of positions <= p and its own entry, so one pass over [step-1 inputs; step-2
+    inputs] with exactly that mask gives the chained step for every p at once. Returns m1 [B, T-1, H] and
+    m2 [B, T-2, H]."""
+    mtp, rotary = lm.mtp, lm.model.rotary_emb
+    n1, n2 = x.shape[1] - 1, x.shape[1] - 2
+    dev = x.device
+    emb = mtp.pre_fc_norm_embedding(lm.model.embed_tokens(x))
+
+    def layer(inp, pos, mask):
+        out = mtp.layers[0](inp, position_embeddings=rotary(inp, pos[None]), attention_mask=mask)
+        return mtp.norm(out[0] if isinstance(out, tuple) else out)
+
+    x1 = mtp.fc(torch.cat([emb[:, 1:], mtp.pre_fc_norm_hidden(h[:, :-1])], -1))
+    m1 = layer(x1, torch.arange(n1, device=dev), None)  # causal
+    x2 = mtp.fc(torch.cat([emb[:, 2:], mtp.pre_fc_norm_hidden(m1[:, :n2])], -1))
+    pos = torch.cat([torch.arange(n1, device=dev), torch.arange(1, n2 + 1, device=dev)])
+    mask = torch.zeros(n1 + n2, n1 + n2, dtype=torch.bool, device=dev)
+    mask[:n1, :n1] = torch.ones(n1, n1, dtype=torch.bool, device=dev).tril()
+    mask[n1:, :n1] = torch.ones(n2, n1, dtype=torch.bool, device=dev).tril()  # step-1 entries at positions <= p
+    mask[n1:, n1:] = torch.eye(n2, dtype=torch.bool, device=dev)  # and its own entry
+    m2 = layer(torch.cat([x1, x2], 1), pos, mask[None, None])[:, n1:]
+    return m1, m2
+
+
+def kl_terms(lm, m: torch.Tensor, ht: torch.Tensor, ce_weight: float):
+    """KL(trunk || mtp) + ce_weight * CE(mtp, trunk argmax) over rows m [N, H] (head) and ht [N, H] (trunk hidden
+    whose logits are the teacher)."""
+    with torch.no_grad():
+        zt = logits32(lm, ht)
+        log_pt = F.log_softmax(zt, -1)
+        tgt = zt.argmax(-1)
+        del zt
+    log_ps = F.log_softmax(logits32(lm, m), -1)
+    kl = F.kl_div(log_ps, log_pt, log_target=True, reduction="none").sum(-1).mean()
+    with torch.no_grad():
+        agree = (log_ps.argmax(-1) == tgt).float().mean()
+    return kl + ce_weight * F.nll_loss(log_ps, tgt), kl.detach(), agree, int(tgt.numel())
+
+
+def distill_terms(lm, x: torch.Tensor, mask: torch.Tensor | None, amp, ce_weight: float, chain_weight: float):
+    """Loss on one batch x [B, T]. Teacher for MTP position p = the trunk's softmax at p+1 (it predicts t_{p+2});
+    for the chained step at p+1, the trunk's softmax at p+2.
+
+    Loss = KL(trunk || mtp) + ce_weight * CE(mtp, trunk argmax), mean over the counted positions, plus
+    chain_weight times the same for the chained step (drafts 2..k are the head fed its own output, which
+    one-step training never shows it).
     Why this choice: acceptance is "MTP argmax == trunk argmax". The full teacher distribution carries much more
     signal per position than its argmax (which tokens are close seconds, how sure the trunk is), and forward KL
     makes the head cover the trunk's mass rather than fit corpus noise. The small hard term on the trunk's argmax
@@ -228,36 +275,30 @@ def distill_terms(lm, x: torch.Tensor, mask: torch.Tensor | None, amp, ce_weight
     the trunk, which is what acceptance punishes."""
     h = trunk_hidden(lm, x, amp)
     with amp:
-        m = train.mtp_hidden(lm, x, h)  # [B, T-1, H], gradients into lm.mtp only
-    ht = h[:, 1:]                       # trunk hidden at p+1: its logits predict t_{p+2}
-    if mask is not None:
-        m, ht = m[mask], ht[mask]
-    else:
-        m, ht = m.reshape(-1, m.shape[-1]), ht.reshape(-1, ht.shape[-1])
-    with torch.no_grad():
-        zt = logits32(lm, ht)
-        log_pt = F.log_softmax(zt, -1)
-        tgt = zt.argmax(-1)
-        del zt
-    zs = logits32(lm, m)
-    log_ps = F.log_softmax(zs, -1)
-    kl = F.kl_div(log_ps, log_pt, log_target=True, reduction="none").sum(-1).mean()
-    ce = F.nll_loss(log_ps, tgt)
-    with torch.no_grad():
-        agree = (zs.argmax(-1) == tgt).float().mean()
-    return kl + ce_weight * ce, kl.detach(), agree, int(tgt.numel())
+        if chain_weight:
+            m1, m2 = mtp_chain(lm, x, h)
+        else:
+            m1, m2 = train.mtp_hidden(lm, x, h), None  # [B, T-1, H], gradients into lm.mtp only
+    if mask is None:
+        mask = torch.ones(m1.shape[:2], dtype=torch.bool, device=x.device)
+    loss, kl, agree, n = kl_terms(lm, m1[mask], h[:, 1:][mask], ce_weight)  # trunk hidden at p+1
+    if m2 is not None:
+        both = mask[:, :-1] & mask[:, 1:]  # the chained step's target t_{p+3} is still a counted token
+        loss = loss + chain_weight * kl_terms(lm, m2[both], h[:, 2:][both], ce_weight)[0]
+    return loss, kl, agree, n
 
 
 @torch.no_grad()
 def eval_onpolicy(lm, pool: Pool, amp, rows: int) -> dict:
-    """evaluate.py's depth-1 acceptance on the held-out pool: MTP argmax == generated (trunk greedy) token."""
-    ok = tot = cons = 0
+    """evaluate.py's depth-1 acceptance on the held-out pool: MTP argmax == generated (trunk greedy) token; and
+    for depth 2, the share of positions where the first draft and the chained second draft are both right."""
+    ok = tot = cons = both = tot2 = 0
     kl_sum = 0.0
     for i in range(0, len(pool), rows):
         x, mask = pool.batch(torch.arange(i, min(i + rows, len(pool)), device=pool.seqs.device))
         h = trunk_hidden(lm, x, amp)
         with amp:
-            m = train.mtp_hidden(lm, x, h)
+            m, m2 = mtp_chain(lm, x, h)
         tok = x[:, 2:]                         # t_{p+2} for p = 0..L-3
         mk = mask[:, :tok.shape[1]]
         zs = logits32(lm, m[:, :tok.shape[1]][mk])
@@ -267,8 +308,19 @@ def eval_onpolicy(lm, pool: Pool, amp, rows: int) -> dict:
         cons += int((zt.argmax(-1) == t).sum())  # generate() vs full forward: must be ~1
         tot += int(t.numel())
         kl_sum += float(F.kl_div(F.log_softmax(zs, -1), F.log_softmax(zt, -1), log_target=True, reduction="sum"))
+        n = x.shape[1] - 3  # positions p whose chained draft's target t_{p+3} exists
+        mk2 = mask[:, :n] & mask[:, 1:n + 1]
+        first = logits32(lm, m[:, :n][mk2]).argmax(-1) == x[:, 2:n + 2][mk2]
+        second = logits32(lm, m2[:, :n][mk2]).argmax(-1) == x[:, 3:n + 3][mk2]
+        both += int((first & second).sum())
+        tot2 += int(mk2.sum())
     return {"op_agree": ok / max(1, tot), "op_kl": kl_sum / max(1, tot), "op_positions": tot,
-            "op_trunk_consistency": cons / max(1, tot)}
+            "op_trunk_consistency": cons / max(1, tot), "op_both2": both / max(1, tot2)}
+
+
+def score(ev: dict) -> float:
+    """Accepted drafts per cycle at depth 2 (first right; first and chained second right): what selection keeps."""
+    return ev["op_agree"] + ev["op_both2"]
 
 
 @torch.no_grad()
@@ -324,6 +376,8 @@ def main(argv=None) -> int:
     ap.add_argument("--op-tokens", type=int, default=65536, help="tokens per on-policy batch (rows x trimmed length)")
     ap.add_argument("--op-weight", type=float, default=0.8, help="weight of the on-policy loss (corpus: 1 - this)")
     ap.add_argument("--ce-weight", type=float, default=0.1, help="hard CE on the trunk's argmax, next to the KL")
+    ap.add_argument("--chain-weight", type=float, default=0.5,
+                    help="weight of the chained second step (the head fed its own output; 0: one step only)")
     # optimiser
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
@@ -473,7 +527,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
 
     fields = ["step", "elapsed_s", "lr", "tf_tokens", "op_tokens", "op_positions", "train_kl_tf", "train_kl_op",
-              "train_agree_tf", "train_agree_op", "op_agree", "op_kl", "tf_agree", "tf_mtp_acc", "tf_kl"]
+              "train_agree_tf", "train_agree_op", "op_agree", "op_both2", "op_kl", "tf_agree", "tf_mtp_acc", "tf_kl"]
     fcsv = open(args.out / "distill.csv", "w", newline="")
     wcsv = csv.DictWriter(fcsv, fieldnames=fields, extrasaction="ignore")
     wcsv.writeheader()
@@ -492,7 +546,7 @@ def main(argv=None) -> int:
                "train_kl_op": f"{acc['kl_op'] / n:.4f}" if acc["n"] else "",
                "train_agree_tf": f"{acc['ag_tf'] / n:.4f}" if acc["n"] else "",
                "train_agree_op": f"{acc['ag_op'] / n:.4f}" if acc["n"] else "",
-               **{k: f"{ev[k]:.4f}" for k in ("op_agree", "op_kl", "tf_agree", "tf_mtp_acc", "tf_kl")}}
+               **{k: f"{ev[k]:.4f}" for k in ("op_agree", "op_both2", "op_kl", "tf_agree", "tf_mtp_acc", "tf_kl")}}
         wcsv.writerow(row)
         fcsv.flush()
         return row
@@ -524,9 +578,9 @@ def main(argv=None) -> int:
             def step_grads():
                 # loss = (1 - w) * corpus + w * on-policy; one backward per part: one logits graph alive at a time
                 opt.zero_grad(set_to_none=True)
-                l_tf, kl_tf, ag_tf, _ = distill_terms(lm, xt, None, amp, args.ce_weight)
+                l_tf, kl_tf, ag_tf, _ = distill_terms(lm, xt, None, amp, args.ce_weight, args.chain_weight)
                 ((1 - args.op_weight) * l_tf).backward()
-                l_op, kl_op, ag_op, n_op = distill_terms(lm, xo, mo, amp, args.ce_weight)
+                l_op, kl_op, ag_op, n_op = distill_terms(lm, xo, mo, amp, args.ce_weight, args.chain_weight)
                 (args.op_weight * l_op).backward()
                 return l_tf, kl_tf, ag_tf, l_op, kl_op, ag_op, n_op
 
@@ -565,9 +619,9 @@ def main(argv=None) -> int:
                 row = record(step, lr, ev, acc)
                 acc = {k: 0.0 if k != "n" else 0 for k in acc}
                 mark = ""
-                if ev["op_agree"] > best["op_agree"]:
+                if score(ev) > score(best):
                     best, best_state, best_step, mark = ev, snapshot(), step, " (best)"
-                log("eval:", json.dumps({k: row[k] for k in ("step", "op_agree", "op_kl", "tf_agree", "tf_kl")}) + mark)
+                log("eval:", json.dumps({k: row[k] for k in ("step", "op_agree", "op_both2", "op_kl", "tf_agree", "tf_kl")}) + mark)
     except Exception:
         traceback.print_exc()
         status = "error (the MTP state with the best held-out on-policy agreement so far is saved)"
@@ -578,9 +632,9 @@ def main(argv=None) -> int:
             eval_step = step
             record(step, 0.0, ev, acc)
             mark = ""
-            if ev["op_agree"] > best["op_agree"]:
+            if score(ev) > score(best):
                 best, best_state, best_step, mark = ev, snapshot(), step, " (best)"
-            log("final eval:", json.dumps({k: round(ev[k], 4) for k in ("op_agree", "op_kl", "tf_agree", "tf_kl")}) + mark)
+            log("final eval:", json.dumps({k: round(ev[k], 4) for k in ("op_agree", "op_both2", "op_kl", "tf_agree", "tf_kl")}) + mark)
         except Exception:
             traceback.print_exc()
             status = "error in the final evaluation (the best MTP state evaluated before it is saved)"
