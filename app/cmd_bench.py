@@ -38,8 +38,6 @@ def add_parser(sub) -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
     p.add_argument("--no-graphs", action="store_true", help="eager verify steps only (no CUDA graphs)")
-    p.add_argument("--compile", action="store_true", help="torch.compile each layer kind inside the CUDA graphs "
-                   "(also: MTPCHAT_COMPILE=1); the table then has eager, graphs and graphs+compile plain rows")
     p.add_argument("--temperature", type=float, default=0.0, help="sample (speculative sampling) instead of greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

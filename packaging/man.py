@@ -24,7 +24,10 @@ def options(parser: argparse.ArgumentParser) -> list[str]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="write the man page from the CLI's own parser")
+    ap.add_argument("--out", type=Path, default=Path(__file__).with_name("mtpchat.1"))
+    out = ap.parse_args(argv).out
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     lines = [f'.TH MTPCHAT 1 "{datetime.date.today():%Y-%m}" "mtpchat" "User Commands"', ".SH NAME",
@@ -40,9 +43,10 @@ def main() -> None:
                                 "file in the user data dir; exports in its exports/ folder. MTPCHAT_HOME overrides "
                                 "both roots."),
               ".SH ENVIRONMENT", roff("MTPCHAT_MODELS: extra model folders (path list). MTPCHAT_DISABLE_FLA=1: torch "
-                                      "kernels only. MTPCHAT_CUDA_GRAPHS=0: eager verify steps. HF_HOME / "
-                                      "HF_HUB_CACHE: the Hugging Face cache scanned for models.")]
-    Path(__file__).with_name("mtpchat.1").write_text("\n".join(lines) + "\n")
+                                      "kernels only. MTPCHAT_CUDA_GRAPHS=0: eager steps, no CUDA graphs. "
+                                      "MTPCHAT_COMPILE=1: as --compile. HF_HOME / HF_HUB_CACHE: the Hugging Face "
+                                      "cache scanned for models.")]
+    out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -18,16 +18,17 @@ _mtpchat() {
         --device) COMPREPLY=($(compgen -W "cpu cuda" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "float32 bfloat16 float16" -- "$cur")); return ;;
         --drafter) COMPREPLY=($(compgen -W "mtp oracle mtp,oracle" -- "$cur")); return ;;
-        --depth|--depths|--max-new-tokens|--temperature|--top-p|--top-k|--seed|--acceptance|--repeat|--layers|--prompt|--system|--random-weights)
+        --random-weights) COMPREPLY=($(compgen -W "qwen3.5-27b qwen3-next-80b-a3b tiny" -- "$cur")); return ;;
+        --depth|--depths|--max-new-tokens|--temperature|--top-p|--top-k|--seed|--acceptance|--repeat|--layers|--prompt|--system|--tp)
             return ;;
     esac
 
     local opts
     case "$sub" in
         "") opts="$commands --help" ;;
-        chat) opts="--model --depth --device --dtype --help" ;;
-        run) opts="--prompt --model --system --raw --max-new-tokens --ignore-eos --depth --temperature --top-p --top-k --seed --device --dtype --json --help" ;;
-        bench) opts="--model --random-weights --layers --depths --drafter --acceptance --max-new-tokens --prompt --repeat --no-hf --out --device --dtype --json --help" ;;
+        chat) opts="--model --depth --device --dtype --compile --tp --help" ;;
+        run) opts="--prompt --model --system --raw --max-new-tokens --ignore-eos --depth --temperature --top-p --top-k --seed --device --dtype --compile --tp --json --help" ;;
+        bench) opts="--model --random-weights --layers --depths --drafter --acceptance --max-new-tokens --prompt --repeat --no-hf --no-graphs --temperature --top-p --top-k --precision --out --device --dtype --compile --tp --json --help" ;;
         doctor) opts="--model --device --json --help" ;;
         models) opts="--device --json --help"; COMPREPLY=($(compgen -d -- "$cur")) ;;
     esac
