@@ -47,6 +47,19 @@ def test_cuda_graphs_certified_and_lossless(name, ckpt):
     assert report["failure"] is None and set(report["captured_widths"]) >= {1, 2, 4}
     # the widths of depths 0, 1 and 3 replayed many times (a clipped last cycle may use another width once)
     assert all(int(report["replays"][str(w)]) > 5 for w in (1, 2, 4))
+    mtp = graphs.diagnostics()["compile"]["mtp_cuda_graphs"]  # the MTP head's draft / refresh steps
+    assert mtp["failure"] is None and int(mtp["replays"]["1"]) > 5
     captures = report["captures"]
     tokens(graphs, prompt, 3)  # a further request re-uses the captured graphs: no re-capture
     assert graphs.diagnostics()["compile"]["cuda_graphs"]["captures"] == captures
+
+
+def test_grouped_moe_passes_its_self_check_in_bf16_and_speculation_stays_exact_in_float32(ckpt):
+    """bf16 on CUDA selects the grouped-GEMM MoE (weights read in place); float32 keeps the row-wise path, so the
+    float32 exactness above still holds for MoE families."""
+    bf16 = load_engine(str(ckpt("q35_moe")), device="cuda", dtype="bfloat16")
+    assert bf16.trunk.backends.moe_grouped, bf16.trunk.backends.choice["moe"]
+    f32 = load_engine(str(ckpt("q35_moe")), device="cuda", dtype="float32")
+    assert not f32.trunk.backends.moe_grouped
+    prompt = bf16.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    assert len(tokens(bf16, prompt, 3)) == 32  # runs through the loop, graphs included
