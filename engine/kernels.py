@@ -163,7 +163,6 @@ def select_backends(device: torch.device) -> Backends:
     b.choice["conv1d"] = ("torch", "depthwise F.conv1d over the conv-input window (stashed for rollback)")
     b.choice["gated_rmsnorm"] = ("torch", "module's own gated RMSNorm")
     b.choice["attention"] = ("torch-sdpa", "torch scaled_dot_product_attention (dispatches flash / efficient / math)")
-    b.choice["moe"] = ("transformers", "the family's sparse MoE block")
     return b
 
 
