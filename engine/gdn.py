@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import GDNState
+from .fusion import linears
 from .kernels import store_conv_state
 
 
@@ -45,12 +46,12 @@ class VerifyStash:
 def project(mixer, x: torch.Tensor):
     """Input projections in either checkpoint layout -> conv input [1, C, T], z [1, T, Hv, Dv], b, a [1, T, Hv]."""
     if hasattr(mixer, "in_proj_qkvz"):
-        q, k, v, z, b, a = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(x), mixer.in_proj_ba(x))
+        qkvz, ba = linears(mixer, ("in_proj_qkvz", "in_proj_ba"), x)
+        q, k, v, z, b, a = mixer.fix_query_key_value_ordering(qkvz.contiguous(), ba.contiguous())
         mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (q, k, v)], -1)
     else:
-        mixed = mixer.in_proj_qkv(x)
-        z = mixer.in_proj_z(x).view(x.shape[0], x.shape[1], -1, mixer.head_v_dim)
-        b, a = mixer.in_proj_b(x), mixer.in_proj_a(x)
+        mixed, z, b, a = linears(mixer, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), x)
+        z = z.reshape(x.shape[0], x.shape[1], -1, mixer.head_v_dim)
     return mixed.transpose(1, 2), z, b, a
 
 

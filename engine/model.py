@@ -15,6 +15,7 @@ from .cache import KVCache, GDNState, kv_write, kv_write_at
 from .checkpoint import TensorFiles, model_dir, read_json
 from .errors import EngineError
 from .events import Fallback
+from .fusion import dense_mlp, fuse_all, linears
 from .families import Family, convert_gdn_layout, family_for, fuse_experts, mtp_layers_declared
 from .kernels import Backends, select_backends
 
@@ -62,10 +63,11 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor) 
     """Gated full attention (Qwen3-Next / 3.5): q_proj yields the query and a sigmoid output gate."""
     B, T, _ = x.shape
     hd = attn.head_dim
-    q, gate = attn.q_proj(x).view(B, T, -1, 2 * hd).chunk(2, dim=-1)
+    qg, k, v = linears(attn, ("q_proj", "k_proj", "v_proj"), x)
+    q, gate = qg.reshape(B, T, -1, 2 * hd).chunk(2, dim=-1)
     q = attn.q_norm(q).transpose(1, 2)
-    k = attn.k_norm(attn.k_proj(x).view(B, T, -1, hd)).transpose(1, 2)
-    v = attn.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+    k = attn.k_norm(k.reshape(B, T, -1, hd)).transpose(1, 2)
+    v = v.reshape(B, T, -1, hd).transpose(1, 2)
     q, k = apply_rope(q, k, cos, sin)
     if isinstance(pos, int):
         keys, values = kv_write(keys, values, pos, k, v)
@@ -86,6 +88,8 @@ def mlp(layer, x: torch.Tensor, grouped: bool = False) -> torch.Tensor:
     """grouped: decode / verify widths use one grouped GEMM per projection (CUDA, after a self-check at load)."""
     x = layer.post_attention_layernorm(x)
     block = layer.mlp
+    if hasattr(block, "gate_proj"):
+        return dense_mlp(block, x)
     if hasattr(block, "experts") and x.shape[1] <= MOE_ROWWISE_MAX_TOKENS:
         return moe_grouped(block, x) if grouped else moe_rowwise(block, x)
     y = block(x)
@@ -105,7 +109,7 @@ def route(block, h: torch.Tensor):
 def combine(block, h: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, shape) -> torch.Tensor:
     """Weighted sum of each row's k expert outputs y [N * k, H], plus the gated shared expert."""
     y = (y.view(h.shape[0], -1, h.shape[1]) * weights.to(y.dtype).unsqueeze(-1)).sum(1)
-    shared = block.shared_expert(h) * torch.sigmoid(block.shared_expert_gate(h))
+    shared = dense_mlp(block.shared_expert, h) * torch.sigmoid(block.shared_expert_gate(h))
     return (y + shared).view(shape)
 
 
@@ -379,10 +383,12 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> 
         sd["lm_head.weight"] = emb if plan is None else plan.vocab_rows(emb)
     _check_tensors(root, expected, sd, origin, what="trunk")
     lm.load_state_dict({k: v.to(dt) for k, v in sd.items()}, strict=True, assign=True)
+    del tensors, sd  # the modules hold the weights now; fusing below then frees each original after its copy
     # Non-persistent buffers (rotary frequencies) are not in the checkpoint: build them for real. The family's
     # own rotary module stays for transformers' generate() (the bench baseline); the engine uses its own.
     lm.model.rotary_emb = type(lm.model.rotary_emb)(config=cfg)
     lm.to(dev).eval()
+    fuse_all(lm.model.layers)
     rotary = Rotary(cfg, dev)
     kinds = list(cfg.layer_types)
     unknown = [k for k in kinds if k not in ("linear_attention", "full_attention")]

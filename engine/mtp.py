@@ -15,6 +15,7 @@ from torch import nn
 from .cache import KVCache
 from .errors import EngineError
 from .families import fuse_experts
+from .fusion import fuse_all
 from .model import attention, mlp
 
 
@@ -63,6 +64,7 @@ class MTPHead(nn.Module):
                                   f"expected {tuple(t.shape)}")
         head.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
         head.to(trunk.device).eval()
+        fuse_all(head.layers)
         head.trunk = trunk
         return head
 

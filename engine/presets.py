@@ -8,6 +8,7 @@ from .errors import EngineError
 from .events import Fallback
 from .families import SUPPORTED
 from .kernels import select_backends
+from .fusion import fuse_all
 from .model import Loaded, Rotary, Trunk, choose_moe, default_device_dtype, layer_slots
 
 PRESETS = {
@@ -94,6 +95,8 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
     finally:
         torch.set_default_dtype(old)
     plant_next_token_map(lm.model.embed_tokens.weight, lm.lm_head.weight)
+    fuse_all(lm.model.layers)
+    fuse_all(head.layers)
     lm.eval()
     kinds = list(cfg.layer_types)
     trunk = Trunk(family, cfg, lm, Rotary(cfg, dev), dev, dt, select_backends(dev), kinds, layer_slots(kinds))

@@ -348,6 +348,7 @@ def random_model(preset: str, layers: int | None, group: TPGroup, dtype: str | N
     from .kernels import select_backends
     from .model import Loaded, Rotary, Trunk, choose_moe, default_device_dtype, layer_slots
     from .mtp import MTPHead
+    from .fusion import fuse_all
     from .presets import plant_next_token_map, preset_config
 
     family, cfg, kw = preset_config(preset, layers)
@@ -370,6 +371,8 @@ def random_model(preset: str, layers: int | None, group: TPGroup, dtype: str | N
                 if plan.selection(prefix + name, tuple(p.shape)) is None:
                     group.broadcast_(p.data)
     plant_next_token_map(lm.model.embed_tokens.weight, lm.lm_head.weight, plan.vrange)  # same seed on every rank
+    fuse_all(lm.model.layers)
+    fuse_all(head.layers)
     lm.eval()
     head.eval()
     kinds = list(lcfg.layer_types)

@@ -157,17 +157,17 @@ def test_failed_verify_keeps_committed_gdn_state(engines, monkeypatch):
         before = committed_state(engine)
         layers = engine.trunk.layers
         last = len(layers) - 1
-        original = layers[last].mlp.forward
+        original = layers[last].mlp.down_proj.forward  # the last layer's last matmul
 
         def boom(*a, **kw):
             raise RuntimeError("late failure")
 
-        monkeypatch.setattr(layers[last].mlp, "forward", boom)
+        monkeypatch.setattr(layers[last].mlp.down_proj, "forward", boom)
         with pytest.raises(RuntimeError):
             engine.trunk.forward(torch.cat([seq[-1:], torch.tensor([1, 2])]).unsqueeze(0),
                                  engine.caches.processed, engine.caches, verify=True)
         engine.caches.abort()
-        monkeypatch.setattr(layers[last].mlp, "forward", original)
+        monkeypatch.setattr(layers[last].mlp.down_proj, "forward", original)
         after = committed_state(engine)
     for key in ("conv", "recurrent", "k", "v"):
         assert torch.equal(before[key], after[key]), key
