@@ -109,14 +109,12 @@ class Engine:
         if cuda_graphs is None:
             cuda_graphs = self.trunk.device.type == "cuda" and os.environ.get("MTPCHAT_CUDA_GRAPHS", "1") != "0"
         if cuda_graphs:
-            from .graphs import GraphRunner
+            from .graphs import GraphRunner, StepGraphs
 
             if compile is None:
                 compile = os.environ.get("MTPCHAT_COMPILE", "0") == "1"
             self.graph_runner = self.trunk.graphs = GraphRunner(self.trunk, compile=compile)
             if self.mtp_drafter is not None:
-                from .graphs import StepGraphs
-
                 self.mtp_drafter.graphs = StepGraphs(self.trunk.device)
         t = self.trunk
         self.info = ModelInfo(loaded.name, loaded.path, t.family.name, loaded.raw_config.get("model_type", ""),
@@ -143,10 +141,9 @@ class Engine:
 
     def fallbacks(self, settings: GenerationSettings, drafter) -> list[Fallback]:
         out = [f for f in self.loaded.fallbacks if f.feature != "speculation"]
-        if self.graph_runner is not None and self.graph_runner.failure:
-            out.append(Fallback("cuda_graphs", self.graph_runner.failure))
-        if self.mtp_drafter is not None and self.mtp_drafter.graph_failure:
-            out.append(Fallback("cuda_graphs", self.mtp_drafter.graph_failure))
+        for graphs in (self.graph_runner, getattr(self.mtp_drafter, "graphs", None)):
+            if graphs is not None and graphs.failure:
+                out.append(Fallback("cuda_graphs", f"{graphs.failure}: eager steps"))
         if self.graph_runner is not None and self.graph_runner.compile_failure:
             out.append(Fallback("compile", self.graph_runner.compile_failure))
         if settings.depth > 0 or drafter is not None:

@@ -65,9 +65,6 @@ def _compile_mode(engine) -> str:
 
 
 def _mtp_graphs(engine) -> dict:
-    """{"mtp_cuda_graphs": report} when the MTP head's steps are (or were meant to be) graphs; else nothing."""
-    drafter = engine.mtp_drafter
-    if drafter is None or (drafter.graphs is None and drafter.graph_failure is None):
-        return {}
-    report = drafter.graphs.report() if drafter.graphs is not None else {}
-    return {"mtp_cuda_graphs": {**report, "failure": drafter.graph_failure}}
+    """{"mtp_cuda_graphs": report} when the MTP head's steps are graphs (or were meant to be); else nothing."""
+    graphs = getattr(engine.mtp_drafter, "graphs", None)
+    return {} if graphs is None else {"mtp_cuda_graphs": graphs.report()}

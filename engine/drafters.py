@@ -24,7 +24,6 @@ class MTPDrafter:
         self.head = head
         self.cache = head.new_cache()
         self.graphs = graphs  # graphs.StepGraphs: draft and refresh steps replayed as CUDA graphs
-        self.graph_failure: str | None = None
         self.reset()
 
     def reserve(self, n: int) -> None:
@@ -39,13 +38,9 @@ class MTPDrafter:
             def step(hidden, tokens, pos):
                 return self.head(hidden, tokens, pos, self.cache, last_only=True)
 
-            try:
-                return g.run(self.cache.k.data_ptr(), (hidden, tokens), pos, step)
-            except Exception as e:  # capture failed: eager from now on, with the reason on record
-                self.graph_failure = f"MTP graph capture failed ({type(e).__name__}: {str(e)[:160]}): eager drafting"
-                self.graphs = None
-                if hidden.device.type == "cuda":
-                    torch.cuda.synchronize()
+            out = g.try_run(self.cache.k.data_ptr(), (hidden, tokens), pos, step, "MTP graph")
+            if out is not None:
+                return out
         return self.head(hidden, tokens, pos, self.cache, last_only=True)
 
     def reset(self) -> None:

@@ -24,8 +24,9 @@ GROUPS = (
 
 @torch.no_grad()
 def fuse_layer(layer: torch.nn.Module) -> None:
+    modules = dict(layer.named_modules())
     for path, names in GROUPS:
-        module = layer.get_submodule(path) if _has(layer, path) else None
+        module = modules.get(path)
         if module is None or not all(hasattr(module, n) for n in names):
             continue
         linears = [getattr(module, n) for n in names]
@@ -46,14 +47,6 @@ def fuse_all(layers) -> None:
     """Fuse every decoder layer in turn (peak memory: one layer's projections more than the model)."""
     for layer in layers:
         fuse_layer(layer)
-
-
-def _has(module: torch.nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
 
 
 def linears(module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:

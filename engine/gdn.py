@@ -47,7 +47,7 @@ def project(mixer, x: torch.Tensor):
     """Input projections in either checkpoint layout -> conv input [1, C, T], z [1, T, Hv, Dv], b, a [1, T, Hv]."""
     if hasattr(mixer, "in_proj_qkvz"):
         qkvz, ba = linears(mixer, ("in_proj_qkvz", "in_proj_ba"), x)
-        q, k, v, z, b, a = mixer.fix_query_key_value_ordering(qkvz.contiguous(), ba.contiguous())
+        q, k, v, z, b, a = mixer.fix_query_key_value_ordering(qkvz, ba)
         mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (q, k, v)], -1)
     else:
         mixed, z, b, a = linears(mixer, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), x)

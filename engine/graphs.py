@@ -48,8 +48,8 @@ def _tensors(out) -> list[torch.Tensor]:
 
 
 class StepGraphs:
-    """Replays step(*static_inputs, pos) as one graph per width (input shape). Raises if a capture fails; the
-    owner falls back to eager and records why."""
+    """Replays step(*static_inputs, pos) as one graph per width (input shape). run() raises if a capture fails;
+    try_run() records why and returns None, and the owner runs eagerly from then on."""
 
     def __init__(self, device: torch.device, max_width: int = 8):
         self.device, self.max_width = device, max_width
@@ -59,6 +59,7 @@ class StepGraphs:
         self.replays: dict[int, int] = {}
         self.captures = 0
         self.warmup_s = 0.0
+        self.failure: str | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -81,6 +82,17 @@ class StepGraphs:
         graph.replay()
         self.replays[width] = self.replays.get(width, 0) + 1
         return out
+
+    def try_run(self, key, inputs: tuple[torch.Tensor, ...], pos: int, step: Callable, what: str):
+        if self.failure is not None:  # failed once: no capture is tried again
+            return None
+        try:
+            return self.run(key, inputs, pos, step)
+        except Exception as e:
+            self.failure = f"{what} capture failed ({type(e).__name__}: {str(e)[:160]})"
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            return None
 
     def capture(self, width: int, inputs, step: Callable) -> None:
         bufs = tuple(x.clone() for x in inputs)
@@ -109,7 +121,7 @@ class StepGraphs:
         self.captures += 1
 
     def report(self) -> dict:
-        return {"captured_widths": sorted(self.graphs), "captures": self.captures,
+        return {"captured_widths": sorted(self.graphs), "captures": self.captures, "failure": self.failure,
                 "replays": {str(k): v for k, v in sorted(self.replays.items())}}
 
 
@@ -119,7 +131,6 @@ class GraphRunner:
     def __init__(self, trunk, max_width: int = 8, compile: bool = False):
         self.trunk = trunk
         self.steps = StepGraphs(trunk.device, max_width)
-        self.failure: str | None = None
         self.compile_failure: str | None = None
         if compile:
             trunk.compiled_block = compile_block()
@@ -135,29 +146,23 @@ class GraphRunner:
         def step(tokens, pos):
             return trunk.forward(tokens, pos, caches, verify=True)
 
-        try:
-            out = self.run_compiled(key, tokens, pos, step)
-        except Exception as e:  # capture failed: eager from now on, with the reason on record
-            self.failure = f"CUDA graph capture failed ({type(e).__name__}: {str(e)[:160]}): eager decoding"
+        out = self.steps.try_run(key, (tokens,), pos, step, "CUDA graph")
+        if out is None and trunk.compiled_block is not None:  # maybe the compilation: capture eager layers instead
+            self.compile_failure, self.steps.failure = f"{self.steps.failure} with compiled layers: eager layers", None
+            trunk.compiled_block = None
+            self.steps.reset()
+            out = self.steps.try_run(key, (tokens,), pos, step, "CUDA graph")
+        if out is None:  # eager decoding from now on, with the reason on record
             trunk.graphs = None
-            if trunk.device.type == "cuda":
-                torch.cuda.synchronize()
             return trunk.forward(tokens, pos, caches, verify=True)
         stash.width = T  # the Python side effect of the replayed forward
         return out
 
-    def run_compiled(self, key, tokens, pos: int, step):
-        try:
-            return self.steps.run(key, (tokens,), pos, step)
-        except Exception as e:  # compilation failed: capture the eager layers instead, with the reason on record
-            if self.trunk.compiled_block is None:
-                raise
-            self.compile_failure = f"torch.compile failed ({type(e).__name__}: {str(e)[:160]}): eager layers"
-            self.trunk.compiled_block = None
-            self.steps.reset()
-            return self.steps.run(key, (tokens,), pos, step)
+    @property
+    def failure(self) -> str | None:
+        return self.steps.failure
 
     def report(self) -> dict:
-        return {**self.steps.report(), "failure": self.failure,
+        return {**self.steps.report(),
                 "compiled": self.trunk.compiled_block is not None, "compile_failure": self.compile_failure,
                 "warmup_s": round(self.steps.warmup_s, 1)}

@@ -216,6 +216,11 @@ class Trunk:
     graphs: object | None = None  # graphs.GraphRunner: verify steps replayed as CUDA graphs
     compiled_block: object | None = None  # torch.compile(block): one compiled region per layer kind (graphs.py)
 
+    def __post_init__(self):
+        # every way of building a trunk (checkpoint, random weights, a tensor-parallel shard) runs the same steps
+        fuse_all(self.layers)
+        choose_moe(self)
+
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum partial outputs of row-parallel projections across ranks (identity on one device)."""
         return x if self.group is None else self.group.all_reduce(x)
@@ -388,7 +393,6 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> 
     # own rotary module stays for transformers' generate() (the bench baseline); the engine uses its own.
     lm.model.rotary_emb = type(lm.model.rotary_emb)(config=cfg)
     lm.to(dev).eval()
-    fuse_all(lm.model.layers)
     rotary = Rotary(cfg, dev)
     kinds = list(cfg.layer_types)
     unknown = [k for k in kinds if k not in ("linear_attention", "full_attention")]
@@ -400,7 +404,6 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> 
         if name == "torch" and op.startswith("gdn") and dev.type == "cuda":
             fallbacks.append(Fallback("fla", f"{op}: {why}"))
     trunk = Trunk(family, cfg, lm, rotary, dev, dt, backends, kinds, slots, group=tp)
-    choose_moe(trunk)
 
     mtp_keys = [k for k in files.keys() if k.startswith("mtp.")]
     declared = mtp_layers_declared(raw)

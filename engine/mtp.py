@@ -64,9 +64,13 @@ class MTPHead(nn.Module):
                                   f"expected {tuple(t.shape)}")
         head.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
         head.to(trunk.device).eval()
-        fuse_all(head.layers)
-        head.trunk = trunk
-        return head
+        return head.attach(trunk)
+
+    def attach(self, trunk) -> "MTPHead":
+        """Bind the head to the trunk whose embedding and lm_head it uses; fuse its projections (fusion.py)."""
+        self.trunk = trunk
+        fuse_all(self.layers)
+        return self
 
     def new_cache(self) -> KVCache:
         c = self.trunk.config

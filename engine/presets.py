@@ -8,8 +8,7 @@ from .errors import EngineError
 from .events import Fallback
 from .families import SUPPORTED
 from .kernels import select_backends
-from .fusion import fuse_all
-from .model import Loaded, Rotary, Trunk, choose_moe, default_device_dtype, layer_slots
+from .model import Loaded, Rotary, Trunk, default_device_dtype, layer_slots
 
 PRESETS = {
     # Qwen3.5-27B (dense): 64 layers, 3 GDN : 1 attention
@@ -95,13 +94,10 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
     finally:
         torch.set_default_dtype(old)
     plant_next_token_map(lm.model.embed_tokens.weight, lm.lm_head.weight)
-    fuse_all(lm.model.layers)
-    fuse_all(head.layers)
     lm.eval()
     kinds = list(cfg.layer_types)
     trunk = Trunk(family, cfg, lm, Rotary(cfg, dev), dev, dt, select_backends(dev), kinds, layer_slots(kinds))
-    choose_moe(trunk)
-    head.trunk = trunk
+    head.attach(trunk)
     head.eval()
     fallbacks.append(Fallback("weights", f"random weights in the {preset} shape: output text is meaningless"))
     params = sum(p.numel() for p in lm.parameters())

@@ -346,9 +346,8 @@ def random_model(preset: str, layers: int | None, group: TPGroup, dtype: str | N
     norms, routers, the MTP fc) are broadcast from rank 0 so every rank computes the same thing."""
     from .events import Fallback
     from .kernels import select_backends
-    from .model import Loaded, Rotary, Trunk, choose_moe, default_device_dtype, layer_slots
+    from .model import Loaded, Rotary, Trunk, default_device_dtype, layer_slots
     from .mtp import MTPHead
-    from .fusion import fuse_all
     from .presets import plant_next_token_map, preset_config
 
     family, cfg, kw = preset_config(preset, layers)
@@ -371,17 +370,14 @@ def random_model(preset: str, layers: int | None, group: TPGroup, dtype: str | N
                 if plan.selection(prefix + name, tuple(p.shape)) is None:
                     group.broadcast_(p.data)
     plant_next_token_map(lm.model.embed_tokens.weight, lm.lm_head.weight, plan.vrange)  # same seed on every rank
-    fuse_all(lm.model.layers)
-    fuse_all(head.layers)
     lm.eval()
     head.eval()
     kinds = list(lcfg.layer_types)
     slots = layer_slots(kinds)
     group.vocab_size = cfg.vocab_size
     trunk = Trunk(family, lcfg, lm, Rotary(lcfg, dev), dev, dt, select_backends(dev), kinds, slots, group=group)
-    choose_moe(trunk)
     group.plan = plan
-    head.trunk = trunk
+    head.attach(trunk)
     fallbacks.append(Fallback("weights", f"random weights in the {preset} shape: output text is meaningless"))
     params = sum(p.numel() for p in lm.parameters())
     return Loaded(f"random:{preset}", f"random:{preset}", kw, trunk, head, 1,

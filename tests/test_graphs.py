@@ -10,13 +10,13 @@ import pytest
 import engine
 from engine import GenerationSettings, load_engine
 from engine.drafters import OracleDrafter
-from engine.events import Finished, Tokens
+from engine.events import Finished
+from test_exactness import decode
 
 
 def run(engine, prompt, depth, drafter=None, n=24):
-    events = list(engine.generate(prompt, GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True),
-                                  drafter=drafter))
-    return [t for e in events if isinstance(e, Tokens) for t in e.token_ids], events[-1]
+    tokens, _, fin = decode(engine, prompt, drafter, depth=depth, max_new_tokens=n)
+    return tokens, fin
 
 
 DEMO = str(Path(engine.__file__).parent / "assets" / "demo")
@@ -62,3 +62,21 @@ def test_a_longer_request_recaptures_after_the_caches_grow(ckpt, engines):
     tokens, _ = run(graphs, long_prompt, 2, n=40)
     assert tokens == run(eager, long_prompt, 0, n=40)[0]
     assert graphs.diagnostics()["compile"]["cuda_graphs"]["captures"] > before
+
+
+def test_a_failed_capture_falls_back_to_eager_steps_with_the_reason(ckpt, engines, monkeypatch):
+    from engine.graphs import StepGraphs
+
+    def refuse(self, width, inputs, step):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(StepGraphs, "capture", refuse)
+    graphs = load_engine(str(ckpt("next")), cuda_graphs=True)
+    prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    assert run(graphs, prompt, 2)[0] == run(engines("next"), prompt, 0)[0]
+    report = graphs.diagnostics()["compile"]
+    for part in ("cuda_graphs", "mtp_cuda_graphs"):
+        assert "capture refused" in report[part]["failure"] and report[part]["captures"] == 0
+    assert graphs.trunk.graphs is None  # eager from now on
+    reasons = [f.reason for f in graphs.fallbacks(GenerationSettings(), None) if f.feature == "cuda_graphs"]
+    assert len(reasons) == 2 and all("eager steps" in r for r in reasons)
