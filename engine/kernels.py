@@ -110,12 +110,15 @@ IMPLEMENTATIONS = {"torch": (torch_recurrent, torch_chunk), "fla": (fla_recurren
 def gdn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
            state: torch.Tensor, impl: str, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, final = IMPLEMENTATIONS[impl][int(chunked)](q, k, v, g, beta, state)
-    return out, final  # both fresh tensors (no input aliasing, as custom ops require); the state is float32
+    # fresh tensors (no input aliasing, as custom ops require), contiguous whatever the kernel returned: compiled
+    # code trusts the fake's strides below (a mismatch failed every verify width > 1 on the H200)
+    return out.contiguous(), final.contiguous()
 
 
 @gdn_op.register_fake
 def _(q, k, v, g, beta, state, impl, chunked):
-    return torch.empty_like(v), torch.empty(state.shape, dtype=torch.float32, device=state.device)
+    # not empty_like(v): v is a strided view of the conv output, the kernels' outputs are not
+    return v.new_empty(v.shape), state.new_empty(state.shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("mtpchat::store_conv_state", mutates_args=("conv",))

@@ -32,6 +32,19 @@ def test_standin_breaks_fullgraph_without_the_boundary(monkeypatch):
     torch.testing.assert_close(out, kernels.torch_recurrent(q, k, v, g, beta, s)[0])
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_gdn_op_fake_matches_the_kernel_on_strided_inputs(chunked):
+    """Compiled code trusts the fake's output strides. q / k / v arrive as views of the conv output
+    ([1, C, T] transposed, split, reshaped: not contiguous once T > 1); the outputs must not follow them."""
+    T, H, D = 3, 2, 8
+    conv = torch.randn(1, 3 * H * D, T)
+    q, k, v = (t.reshape(1, T, H, D) for t in torch.split(conv.transpose(1, 2), H * D, dim=-1))
+    assert not v.is_contiguous()
+    g, beta, s = -torch.rand(1, T, H), torch.rand(1, T, H), torch.zeros(1, H, D, D)
+    torch.library.opcheck(kernels.gdn_op, (q, k, v, g, beta, s, "torch", chunked),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_verify_and_prefill_compile_fullgraph(engine):
     trunk, caches = engine.trunk, engine.caches
     prompt = torch.tensor(engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}]))
