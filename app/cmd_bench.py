@@ -100,6 +100,27 @@ def measure(engine: Engine, prompt, depth: int, n: int, repeat: int, make_drafte
             "tokens": runs[-1][1]}
 
 
+def collective_share(engine: Engine, prompt, n: int) -> dict:
+    """Under tensor parallelism: the share of this rank's GPU kernel time spent in NCCL kernels while decoding
+    n tokens plainly (the profiler sees the kernels inside graph replays too). A collective's time includes
+    waiting for the slower rank."""
+    import torch
+
+    from engine import GenerationSettings
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in engine.generate(prompt, GenerationSettings(max_new_tokens=n, ignore_eos=True, reuse=False)):
+            pass
+        torch.cuda.synchronize()
+    total = nccl = 0.0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            total += ev.device_time_total
+            nccl += ev.device_time_total if "nccl" in ev.name.lower() else 0.0
+    return {"tokens": n, "kernel_ms_per_token": total / 1e3 / n, "collective_ms_per_token": nccl / 1e3 / n,
+            "collective_share": nccl / total if total else None}
+
+
 def hf_generate(engine: Engine, prompt, n: int, repeat: int) -> float | None:
     import torch
     lm, dev = engine.trunk.lm, engine.trunk.device
@@ -191,14 +212,15 @@ def emit(result: dict, args, text: str) -> int:
 
 def _bench_rank(args, group) -> int:
     """One rank of `bench --tp N`: its shard of the model (real or random weights), the same rows as rank 0.
-    Eager verify steps: CUDA graphs are off under tensor parallelism (see engine.api.load_engine)."""
+    CUDA graphs as on one GPU: the collectives are captured inside them."""
     from engine import Engine, load_engine, tp
 
+    graphs, compile = (False if args.no_graphs else None), (args.compile or None)
     if args.random_weights:
         engine = Engine(tp.random_model(args.random_weights, args.layers, group, args.dtype), None, set(),
-                        cuda_graphs=False)
+                        cuda_graphs=graphs, compile=compile)
     else:
-        engine = load_engine(args.model, None, args.dtype, tp=group)
+        engine = load_engine(args.model, None, args.dtype, tp=group, cuda_graphs=graphs, compile=compile)
     return _bench(args, engine, group)
 
 
@@ -299,6 +321,8 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
     result["versions"] = versions()
     if group is not None:  # params, weight bytes and bandwidth above are per rank (rank 0's shard)
         result["tensor_parallel"] = {**group.describe(), "shard": group.plan.describe()}
+        if trunk.device.type == "cuda":
+            result["tensor_parallel"]["profile"] = collective_share(engine, prompt, min(n, 32))
         if group.rank != 0:
             return 0
     return emit(result, args, format_table(result))
@@ -318,6 +342,11 @@ def format_table(res: dict) -> str:
     if res["hf_generate_tokens_per_s"]:
         lines.append(f"transformers generate(): {res['hf_generate_tokens_per_s']:.1f} tok/s "
                      f"(plain engine {res['plain_vs_hf']:.2f}x)")
+    prof = (res.get("tensor_parallel") or {}).get("profile")
+    if prof:
+        lines.append(f"tensor parallel x{res['tensor_parallel']['world']}: {prof['collective_ms_per_token']:.2f} of "
+                     f"{prof['kernel_ms_per_token']:.2f} GPU ms per token in collectives "
+                     f"({100 * prof['collective_share']:.0f}%)")
     if res["plain_fraction_of_hbm_peak"]:
         lines.append(f"plain decode reads {res['weight_bytes_per_token'] / 1e9:.2f} GB/token: "
                      f"{res['plain_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s = "

@@ -115,7 +115,7 @@ class Engine:
                 compile = os.environ.get("MTPCHAT_COMPILE", "0") == "1"
             self.graph_runner = self.trunk.graphs = GraphRunner(self.trunk, compile=compile)
             if self.mtp_drafter is not None:
-                self.mtp_drafter.graphs = StepGraphs(self.trunk.device)
+                self.mtp_drafter.graphs = StepGraphs(self.trunk.device, group=self.trunk.group)
         t = self.trunk
         self.info = ModelInfo(loaded.name, loaded.path, t.family.name, loaded.raw_config.get("model_type", ""),
                               loaded.mtp_layers, loaded.params, str(t.device), str(t.dtype).replace("torch.", ""))
@@ -347,10 +347,6 @@ def load_engine(path: str | None = None, device: str | None = None, dtype: str |
 
 def _load_engine(path, device, dtype, cuda_graphs, tp, compile=None) -> Engine:
     loaded = load(path, device, dtype, tp=tp)
-    if tp is not None and cuda_graphs is None:
-        # NCCL collectives inside captured graphs are not validated here, and a capture that failed on one rank
-        # only would leave the ranks running different code: eager under tensor parallelism.
-        cuda_graphs = False
     root = Path(loaded.path)
     tok = load_tokenizer(root)
     return Engine(loaded, tok, stop_ids_for(root, tok, loaded.raw_config), cuda_graphs, compile)

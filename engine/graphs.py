@@ -51,8 +51,8 @@ class StepGraphs:
     """Replays step(*static_inputs, pos) as one graph per width (input shape). run() raises if a capture fails;
     try_run() records why and returns None, and the owner runs eagerly from then on."""
 
-    def __init__(self, device: torch.device, max_width: int = 8):
-        self.device, self.max_width = device, max_width
+    def __init__(self, device: torch.device, max_width: int = 8, group=None):
+        self.device, self.max_width, self.group = device, max_width, group
         self.pos = torch.zeros((), dtype=torch.long, device=device)
         self.graphs: dict[int, tuple] = {}
         self.key = None
@@ -95,6 +95,20 @@ class StepGraphs:
             return None
 
     def capture(self, width: int, inputs, step: Callable) -> None:
+        """Under tensor parallelism every rank must run the same code, graphs or eager: a capture that failed on
+        any rank fails on all of them (one collective per capture, none per replay)."""
+        error = None
+        try:
+            self._capture(width, inputs, step)
+        except Exception as e:
+            error = e
+        if self.group is not None and not self.group.all_ok(error is None):
+            self.graphs.pop(width, None)
+            raise error or RuntimeError("capture failed on another tensor-parallel rank")
+        if error is not None:
+            raise error
+
+    def _capture(self, width: int, inputs, step: Callable) -> None:
         bufs = tuple(x.clone() for x in inputs)
 
         def fn():
@@ -130,7 +144,7 @@ class GraphRunner:
 
     def __init__(self, trunk, max_width: int = 8, compile: bool = False):
         self.trunk = trunk
-        self.steps = StepGraphs(trunk.device, max_width)
+        self.steps = StepGraphs(trunk.device, max_width, trunk.group)
         self.compile_failure: str | None = None
         if compile:
             trunk.compiled_block = compile_block()

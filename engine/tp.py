@@ -86,10 +86,21 @@ class TPGroup:
     def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
         """[..., V/N] slices of every rank -> [..., V] full logits (identical on every rank)."""
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x, group=self.pg)
-        full = torch.cat(parts, dim=-1)
+        if self.gather_sum:  # gloo
+            parts = [torch.empty_like(x) for _ in range(self.world)]
+            dist.all_gather(parts, x, group=self.pg)
+            full = torch.cat(parts, dim=-1)
+        else:  # one collective into one preallocated tensor: capturable in a CUDA graph
+            stacked = x.new_empty((self.world, *x.shape))
+            dist.all_gather_into_tensor(stacked, x, group=self.pg)
+            full = stacked.movedim(0, -2).reshape(*x.shape[:-1], -1)
         return full if self.vocab_size is None else full[..., : self.vocab_size]
+
+    def all_ok(self, ok: bool) -> bool:
+        """True on every rank when `ok` is true on every rank."""
+        t = torch.tensor([int(ok)], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.pg)
+        return bool(t.item())
 
     def broadcast_(self, t: torch.Tensor) -> torch.Tensor:
         """Overwrite t with rank 0's t (in place)."""

@@ -97,16 +97,17 @@ def _suite(args, group: TPGroup) -> int:
     rank = group.rank
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in order
     pair = TPGroup(rank % 2, 2, pairs[rank // 2], group.device)
-    got = {"tp2": {}, "tp4": {}, "bytes2": {}, "bytes4": {}}
+    got = {"tp2": {}, "tp4": {}, "bytes2": {}, "bytes4": {}, "graphs4": {}}
     for name in TP2[rank // 2]:
         engine = load_engine(args["paths"][name], tp=pair)
         got["tp2"][name] = decode_runs(engine, RUNS2, N2, args["refs"][name])
         got["bytes2"][name] = weight_bytes(engine)
-    for name in TP4:
-        engine = load_engine(args["paths"][name], tp=group)
+    for name in TP4:  # --tp 4 through the graph path (on the CPU a re-run stands in for each captured graph)
+        engine = load_engine(args["paths"][name], tp=group, cuda_graphs=True)
         got["tp4"][name] = decode_runs(engine, RUNS4 + ([UNSEEDED] if name == "next_moe" else []), N4,
                                        args["refs"][name])
         got["bytes4"][name] = weight_bytes(engine)
+        got["graphs4"][name] = [engine.graph_runner.report(), engine.mtp_drafter.graphs.report()]
     Path(args["out"], f"rank{rank}.json").write_text(json.dumps(got))
     return 0
 
@@ -170,6 +171,16 @@ def test_tp_decodes_what_one_device_decodes(tp, multi, single):
         members = range(4) if tp == 4 else ((0, 1) if name in TP2[0] else (2, 3))
         for r in members:
             assert ranks[r][f"tp{tp}"][name] == got, f"rank {r} of --tp {tp} {name} diverged"
+
+
+def test_tp_runs_its_steps_through_graphs(multi):
+    """--tp 4 ran the trunk's verify steps and the MTP head's steps as (stand-in) graphs, collectives inside,
+    with no capture failure on any rank."""
+    ranks, _ = multi
+    for r in ranks:
+        for name, reports in r["graphs4"].items():
+            for report in reports:
+                assert report["failure"] is None and sum(report["replays"].values()) > 5, (name, report)
 
 
 def test_unseeded_sampling_agrees_across_ranks(multi):

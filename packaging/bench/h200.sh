@@ -4,12 +4,12 @@
 #   bash packaging/bench/h200.sh distill  # the demo model's MTP head distillation (then export + evaluate on a CPU)
 #   bash packaging/bench/h200.sh speed    # 27B shape eager / graphs / graphs+compile, GPU tests, 80B-A3B slice
 #   bash packaging/bench/h200.sh profile  # kernels of one 27B-shape decode step
-#   bash packaging/bench/h200.sh tp1      # --tp 1 through the distributed path vs the plain engine (eager both)
+#   bash packaging/bench/h200.sh tp       # nvidia-h200-x2: --tp 1 vs the plain engine, 27B and 80B-A3B at --tp 2
 #   bash packaging/bench/h200.sh turns    # multi-turn TTFT on the 27B shape
 #   bash packaging/bench/h200.sh demo     # the demo model: greedy and sampled speed, precision report
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+[ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bench() { timeout 300 python3 -m app.cli bench "$@" 2>&1 | tail -25; }
@@ -37,12 +37,18 @@ distill)  # the demo model's MTP head, self-distilled from its frozen trunk (pac
   cp /tmp/distilled/distill_log.json /tmp/distilled/distill.csv "$OUT/"
   python3 -c "import glob,safetensors.torch as st; st.save_file({k: v for f in glob.glob('/tmp/distilled/weights-*.safetensors') for k, v in st.load_file(f).items() if k.startswith('mtp.')}, '$OUT/mtp_distilled.safetensors')"
   ;;
-tp1)  # #8: --tp 1 through torch.distributed (NCCL, eager steps) against the plain engine with eager steps
-  bench --random-weights qwen3.5-27b --no-graphs --depths 0 --max-new-tokens 32 --repeat 3 --no-hf \
-        --out "$OUT/bench27b_eager_h200.json"
-  # one rank under torchrun: the distributed path (process group, sharded loader, all_reduce hooks) at N = 1
-  timeout 300 python3 -m torch.distributed.run --nproc-per-node 1 -m app.cli bench --random-weights qwen3.5-27b \
-        --depths 0 --max-new-tokens 32 --repeat 3 --no-hf --out "$OUT/bench27b_tp1_h200.json" 2>&1 | tail -8
+tp)  # #8 on nvidia-h200-x2 (NVLink multicast off: NCCL_NVLS_ENABLE=0 above)
+  # --tp 1 through torch.distributed (one torchrun rank: process group, sharded loader, collectives captured in
+  # the graphs) against the plain engine, same flags
+  one="--random-weights qwen3.5-27b --compile --depths 0 --max-new-tokens 32 --repeat 3 --no-hf"
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m app.cli bench $one --out "$OUT/bench27b_plain_h200.json" 2>&1 | tail -6 &
+  CUDA_VISIBLE_DEVICES=1 timeout 100 python3 -m torch.distributed.run --nproc-per-node 1 -m app.cli bench $one \
+        --out "$OUT/bench27b_tp1_h200.json" 2>&1 | tail -6
+  wait
+  timeout 170 python3 -m app.cli bench --tp 2 --random-weights qwen3.5-27b --compile --depths 0,1,3 \
+        --drafter oracle --acceptance 1.0,0 --max-new-tokens 64 --repeat 2 --out "$OUT/bench27b_tp2_h200.json" 2>&1 | tail -10
+  timeout 270 python3 -m app.cli bench --tp 2 --random-weights qwen3-next-80b-a3b --compile --depths 0,1,2,3 \
+        --drafter oracle --acceptance 1.0,0 --max-new-tokens 48 --repeat 2 --out "$OUT/bench80b_a3b_tp2_h200.json" 2>&1 | tail -14
   ;;
 turns)
   timeout 200 python3 packaging/bench/turns.py --random-weights qwen3.5-27b --turns 10 --history-tokens 2000 \
