@@ -41,13 +41,13 @@ tp)  # #8 on nvidia-h200-x2 (NVLink multicast off: NCCL_NVLS_ENABLE=0 above)
   # --tp 1 through torch.distributed (one torchrun rank: process group, sharded loader, collectives captured in
   # the graphs) against the plain engine, same flags
   one="--random-weights qwen3.5-27b --compile --depths 0 --max-new-tokens 32 --repeat 3 --no-hf"
-  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m app.cli bench $one --out "$OUT/bench27b_plain_h200.json" 2>&1 | tail -6 &
-  CUDA_VISIBLE_DEVICES=1 timeout 100 python3 -m torch.distributed.run --nproc-per-node 1 -m app.cli bench $one \
+  CUDA_VISIBLE_DEVICES=0 timeout 110 python3 -m app.cli bench $one --out "$OUT/bench27b_plain_h200.json" 2>&1 | tail -6 &
+  CUDA_VISIBLE_DEVICES=1 timeout 110 python3 -m torch.distributed.run --nproc-per-node 1 -m app.cli bench $one \
         --out "$OUT/bench27b_tp1_h200.json" 2>&1 | tail -6
   wait
-  timeout 170 python3 -m app.cli bench --tp 2 --random-weights qwen3.5-27b --compile --depths 0,1,3 \
+  timeout 200 python3 -m app.cli bench --tp 2 --random-weights qwen3.5-27b --compile --depths 0,1,3 \
         --drafter oracle --acceptance 1.0,0 --max-new-tokens 64 --repeat 2 --out "$OUT/bench27b_tp2_h200.json" 2>&1 | tail -10
-  timeout 270 python3 -m app.cli bench --tp 2 --random-weights qwen3-next-80b-a3b --compile --depths 0,1,2,3 \
+  timeout 265 python3 -m app.cli bench --tp 2 --random-weights qwen3-next-80b-a3b --compile --depths 0,1,3 \
         --drafter oracle --acceptance 1.0,0 --max-new-tokens 48 --repeat 2 --out "$OUT/bench80b_a3b_tp2_h200.json" 2>&1 | tail -14
   ;;
 turns)
