@@ -41,8 +41,8 @@ tp)  # #8 on nvidia-h200-x2 (NVLink multicast off: NCCL_NVLS_ENABLE=0 above)
   # --tp 1 through torch.distributed (one torchrun rank: process group, sharded loader, collectives captured in
   # the graphs) against the plain engine, same flags
   one="--random-weights qwen3.5-27b --compile --depths 0 --max-new-tokens 32 --repeat 3 --no-hf"
-  CUDA_VISIBLE_DEVICES=0 timeout 110 python3 -m app.cli bench $one --out "$OUT/bench27b_plain_h200.json" 2>&1 | tail -6 &
-  CUDA_VISIBLE_DEVICES=1 timeout 110 python3 -m torch.distributed.run --nproc-per-node 1 -m app.cli bench $one \
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m app.cli bench $one --out "$OUT/bench27b_plain_h200.json" 2>&1 | tail -6 &
+  CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m torch.distributed.run --nproc-per-node 1 -m app.cli bench $one \
         --out "$OUT/bench27b_tp1_h200.json" 2>&1 | tail -6
   wait
   timeout 200 python3 -m app.cli bench --tp 2 --random-weights qwen3.5-27b --compile --depths 0,1,3 \
