@@ -29,9 +29,18 @@ def table(path: Path) -> str:
     if r.get("hf_generate_tokens_per_s"):
         tail.append(f"transformers `generate()`: {r['hf_generate_tokens_per_s']:.1f} tok/s "
                     f"(plain engine {r['plain_vs_hf']:.2f}x).")
+    tp = r.get("tensor_parallel")
+    per = " per GPU" if tp else ""
     if r.get("plain_fraction_of_hbm_peak"):
-        tail.append(f"Plain decode: {r['weight_bytes_per_token'] / 1e9:.1f} GB of weights per token, "
-                    f"{100 * r['plain_fraction_of_hbm_peak']:.1f}% of the HBM peak.")
+        tail.append(f"Plain decode: {r['weight_bytes_per_token'] / 1e9:.1f} GB of weights per token{per}, "
+                    f"{100 * r['plain_fraction_of_hbm_peak']:.1f}% of the HBM peak{per}.")
+    if tp:
+        prof = tp.get("profile") or {}
+        line = f"Tensor parallel: {tp['world']} rank(s) over {tp['backend']} (one process per GPU)"
+        if prof.get("collective_share") is not None:
+            line += (f"; {prof['collective_ms_per_token']:.2f} of {prof['kernel_ms_per_token']:.2f} GPU ms per token "
+                     f"in collectives ({100 * prof['collective_share']:.0f}%, profiled on rank 0)")
+        tail.append(line + ".")
     return "\n".join([head, "", *rows, "", *tail])
 
 
