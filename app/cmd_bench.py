@@ -102,16 +102,24 @@ def measure(engine: Engine, prompt, depth: int, n: int, repeat: int, make_drafte
 
 def collective_share(engine: Engine, prompt, n: int) -> dict:
     """Under tensor parallelism: the share of this rank's GPU kernel time spent in NCCL kernels while decoding
-    n tokens plainly (the profiler sees the kernels inside graph replays too). A collective's time includes
-    waiting for the slower rank."""
+    plainly, after the first token (the prompt's prefill is not profiled; the profiler sees the kernels inside
+    graph replays too). A collective's time includes waiting for the slower rank."""
     import torch
 
     from engine import GenerationSettings
+    from engine.events import Tokens
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in engine.generate(prompt, GenerationSettings(max_new_tokens=n, ignore_eos=True, reuse=False)):
-            pass
-        torch.cuda.synchronize()
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    seen = 0
+    for ev in engine.generate(prompt, GenerationSettings(max_new_tokens=n + 1, ignore_eos=True, reuse=False)):
+        if isinstance(ev, Tokens):
+            if not seen:  # the first token ends the prefill: decoding from here on
+                torch.cuda.synchronize()
+                prof.start()
+            seen += len(ev.token_ids)
+    torch.cuda.synchronize()
+    prof.stop()
+    n = seen - 1
     total = nccl = 0.0
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:

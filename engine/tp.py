@@ -50,6 +50,8 @@ from .errors import EngineError
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("MTPCHAT_TP_TIMEOUT", "300"))  # a hung peer fails a collective after this
 GATHER_SUM_MAX = 1 << 16  # gloo: all-reduce small tensors as all-gather + local sum (fewer dependent hops)
+# NVLink multicast (NVLS) stays off: nothing here needs it, and on shared hosts it can take the GPUs out of service
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 GRACE_S = 5.0  # after one rank fails, how long the others get to notice before they are terminated
 
 
@@ -433,7 +435,8 @@ def init_group(rank: int, world: int, kind: str, local_rank: int | None = None,
     """Join the default process group (env:// rendezvous) and return the whole world as a TPGroup."""
     local_rank = rank if local_rank is None else local_rank
     if kind == "cuda":
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        for var, value in NO_MULTICAST.items():
+            os.environ.setdefault(var, value)
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         backend = "nccl"
@@ -510,7 +513,7 @@ def launch(fn, args, world: int, device: str | None = None, timeout_s: float = D
         raise EngineError(f"--tp {world}: must be at least 1")
     kind = _backend_and_devices(device, world)
     if kind == "cuda":
-        os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the workers
+        os.environ.update(NO_MULTICAST)  # inherited by the workers
     import torch.multiprocessing as mp
     from multiprocessing.connection import wait
 
