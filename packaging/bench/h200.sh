@@ -23,7 +23,7 @@ speed)
         --acceptance 1.0,0 --max-new-tokens 64 --repeat 2 --out "$OUT/bench80b_a3b_12layers.json"
   ;;
 profile)
-  timeout 100 python3 packaging/bench/profile_step.py --random-weights qwen3.5-27b --json "$OUT/profile27b.json" 2>&1 | tail -30
+  timeout 150 python3 packaging/bench/profile_step.py --random-weights qwen3.5-27b --compile --json "$OUT/profile27b.json" 2>&1 | tail -30
   ;;
 distill)  # the demo model's MTP head, self-distilled from its frozen trunk (packaging/demo_model/distill.py)
   # engine/assets/demo/model.safetensors holds build/trained's trunk bit for bit (and the head distilled so far,

@@ -75,7 +75,8 @@ def profile(path: Path) -> str:
     top = ", ".join(f"{k['kernel'][:40]} {k['ms_per_step']:.2f} ms" for k in r["top_kernels"][:4])
     return (f"One plain decode step, **{r['model']}** on {r['gpu']} (`packaging/bench/profile_step.py`, "
             f"`{path.name}`): eager {r['eager_step_ms']:.1f} ms, graph replay {r['graph_replay_ms']:.1f} ms "
-            f"({100 * r['replay_fraction_of_4_8TBps']:.0f}% of 4.8 TB/s), {r['kernels_per_step']:.0f} kernels taking "
+            f"({100 * r['replay_fraction_of_4_8TBps']:.0f}% of 4.8 TB/s{', compiled layers' if r.get('compiled') else ''}); "
+            f"profiled {r.get('profiled', 'eager step')}: {r['kernels_per_step']:.0f} kernels taking "
             f"{r['kernel_ms_per_step']:.1f} ms; the largest: {top}.")
 
 
