@@ -16,7 +16,8 @@ bench() { timeout 300 python3 -m app.cli bench "$@" 2>&1 | tail -25; }
 case "${1:-speed}" in
 speed)
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-  bench --random-weights qwen3.5-27b --compile --depths 0,1,3 --drafter oracle --acceptance 1.0,0 \
+  # the MTP rows: the head's refresh and draft times at a real shape (random weights: its acceptance is meaningless)
+  bench --random-weights qwen3.5-27b --compile --depths 0,1,3 --drafter mtp,oracle --acceptance 1.0,0 \
         --max-new-tokens 64 --repeat 2 --out "$OUT/bench27b.json"
   timeout 200 python3 -m pytest -q tests/test_gpu.py -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
   bench --random-weights qwen3-next-80b-a3b --layers 12 --compile --depths 0,1,3 --drafter oracle \
