@@ -104,17 +104,20 @@ def verify(mixer, x, conv, recurrent, backends, rows: tuple) -> torch.Tensor:
     return output(mixer, core, z)
 
 
-def commit(state: GDNState, stash: VerifyStash, m: int, backends) -> None:
-    """Keep the first m + 1 verified tokens. Nothing is replayed when the whole verify pass is kept."""
+def replayed(state: GDNState, stash: VerifyStash, n: int, backends) -> torch.Tensor:
+    """The recurrent state after the first n stashed tokens, replayed from the committed one. Writes nothing, so
+    it may run any number of times (a graph's warm-up runs it too). All GDN layers share one shape, dtype and
+    device (they live in one tensor): one grouped kernel call, with the layers as the batch dimension."""
+    _, s = backends.gdn_recurrent(
+        stash.q[:, :n], stash.k[:, :n], stash.v[:, :n], stash.g[:, :n], stash.beta[:, :n], state.recurrent
+    )
+    return s
+
+
+def commit(state: GDNState, stash: VerifyStash, m: int, backends, replay=replayed) -> None:
+    """Keep the first m + 1 verified tokens. Nothing is replayed when the whole verify pass is kept.
+    replay: `replayed` or a stand-in with its signature (GraphRunner.replay: the same, as a graph per n)."""
     n, T, K1 = m + 1, stash.width, state.conv.shape[-1]
-    if n == T:
-        state.recurrent.copy_(stash.final)
-    else:
-        # All GDN layers share one shape, dtype and device (they live in one tensor): one grouped call,
-        # with the layers as the batch dimension.
-        _, s = backends.gdn_recurrent(
-            stash.q[:, :n], stash.k[:, :n], stash.v[:, :n], stash.g[:, :n], stash.beta[:, :n], state.recurrent
-        )
-        state.recurrent.copy_(s)
+    state.recurrent.copy_(stash.final if n == T else replay(state, stash, n, backends))
     state.conv.copy_(stash.window[:, :, n : n + K1])
     stash.width = 0

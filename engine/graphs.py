@@ -1,6 +1,6 @@
 """CUDA graphs for the decode loop's fixed-shape steps: the trunk's verify pass (plain decoding is its width-1
-case) and the MTP head's draft and refresh steps. One graph per width over static buffers; the position lives on
-the device, so one graph serves every position.
+case), the GDN replay of commit, and the MTP head's draft and refresh steps. One graph per width over static
+buffers; the position lives on the device, so one graph serves every position.
 
 A verify pass reads the committed state and writes only the stash and KV rows past the committed length, so a
 replay is always safe; graphs are re-captured when a cache or the stash is reallocated (the key changes).
@@ -145,12 +145,28 @@ class GraphRunner:
     def __init__(self, trunk, max_width: int = 8, compile: bool = False):
         self.trunk = trunk
         self.steps = StepGraphs(trunk.device, max_width, trunk.group)
+        self.commits = StepGraphs(trunk.device, max_width, trunk.group)  # commit's GDN replay, one graph per n
+        self.kept = torch.zeros(1, max_width, device=trunk.device)  # its width key: kept[:, :n]
         self.compile_failure: str | None = None
         if compile:
             trunk.compiled_block = compile_block()
 
     def reset(self) -> None:
         self.steps.reset()
+        self.commits.reset()
+
+    def replay(self, state, stash, n: int, backends) -> torch.Tensor:
+        """gdn.replayed as a graph per kept length n: the kernel launch without its Python wrapper's cost."""
+        from .gdn import replayed
+
+        def step(kept, pos):
+            return replayed(state, stash, kept.shape[1], backends)
+
+        if self.kept.shape[1] < n:  # verify passes wider than max_width (deep drafting) keep more
+            self.kept = torch.zeros(1, n, device=self.kept.device)
+        key = (stash.q.data_ptr(), state.recurrent.data_ptr())
+        out = self.commits.try_run(key, (self.kept[:, :n],), 0, step, "commit graph")
+        return replayed(state, stash, n, backends) if out is None else out
 
     def run(self, tokens: torch.Tensor, pos: int, caches) -> torch.Tensor:
         trunk, T = self.trunk, tokens.shape[1]
@@ -174,9 +190,9 @@ class GraphRunner:
 
     @property
     def failure(self) -> str | None:
-        return self.steps.failure
+        return self.steps.failure or self.commits.failure
 
     def report(self) -> dict:
-        return {**self.steps.report(),
+        return {**self.steps.report(), "commit": self.commits.report(),
                 "compiled": self.trunk.compiled_block is not None, "compile_failure": self.compile_failure,
                 "warmup_s": round(self.steps.warmup_s, 1)}

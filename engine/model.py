@@ -299,10 +299,11 @@ class TrunkCaches:
             self.stash = gdn.VerifyStash(self.n_gdn, max(width, 8), self.dims, trunk.dtype, trunk.device)
         return self.stash
 
-    def commit(self, m: int, backends: Backends) -> None:
-        """Keep the first m + 1 tokens of the verify pass that started at `processed`."""
+    def commit(self, m: int, backends: Backends, graphs=None) -> None:
+        """Keep the first m + 1 tokens of the verify pass that started at `processed`. graphs: the trunk's
+        GraphRunner, whose graphs replay the GDN recurrence (None: eager)."""
         if self.n_gdn:
-            gdn.commit(self.gdn, self.stash, m, backends)
+            gdn.commit(self.gdn, self.stash, m, backends, gdn.replayed if graphs is None else graphs.replay)
         self.processed += m + 1
         self.kv.trim(self.processed)
 

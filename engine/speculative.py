@@ -91,7 +91,7 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
                 req.finish = "eos"
                 break
         with timer.phase("commit"):
-            caches.commit(m, trunk.backends)
+            caches.commit(m, trunk.backends, trunk.graphs)
             if drafter is not None:
                 drafter.rollback()
                 drafter.observe(hidden[:, : m + 1])

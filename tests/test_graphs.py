@@ -43,6 +43,8 @@ def test_replayed_steps_equal_eager_and_replays_are_counted(name, ckpt, engines)
     trunk, mtp = report["cuda_graphs"], report["mtp_cuda_graphs"]
     assert trunk["failure"] is None and mtp["failure"] is None
     assert all(trunk["replays"][str(w)] > 5 for w in (1, 2, 4))  # plain, depth 1, depth 3 verify widths
+    # commit's GDN replay (partly accepted verify passes): one graph per kept length, 1 at least
+    assert trunk["commit"]["failure"] is None and trunk["commit"]["replays"]["1"] > 5
     assert mtp["replays"]["1"] > 5  # draft steps (and one-position refreshes)
     if name == "demo":
         assert sum(mtp["replays"].values()) > mtp["replays"]["1"]  # refreshes over several accepted positions
