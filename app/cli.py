@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv if argv else ["chat"])
+    args.argv = list(argv)  # what reports record as their command line
     if getattr(args, "compile", False):  # read where engines are built (the chat builds them on its worker thread)
         os.environ["MTPCHAT_COMPILE"] = "1"
     if args.command in (None, "chat"):  # the TUI reports its own errors; torch loads on its engine thread

@@ -203,10 +203,16 @@ def precision_report(args) -> int:
                          "first_divergence": diverged, "rows": rows}
         del engine
     result = {"model": args.random_weights or args.model, "device": args.device, "depth": depth,
-              "max_new_tokens": args.max_new_tokens, "precision": report, "command": "mtpchat " + " ".join(sys.argv[1:])}
+              "max_new_tokens": args.max_new_tokens, "precision": report, "command": command_line(args)}
     return emit(result, args, "\n".join(
         f"{dtype:>9}: {100 * r['identical_share']:.0f}% of {r['runs']} speculative runs (depth {depth}) "
         f"identical to plain; first divergence at {r['first_divergence'] or '-'}" for dtype, r in report.items()))
+
+
+def command_line(args) -> str:
+    import shlex
+
+    return shlex.join(["mtpchat", *getattr(args, "argv", sys.argv[1:])])
 
 
 def emit(result: dict, args, text: str) -> int:
@@ -240,6 +246,12 @@ def _check_args(args) -> None:
     drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
     if any(d not in ("mtp", "oracle") for d in drafters):
         raise EngineError(f"--drafter {args.drafter!r}: expected mtp, oracle or both")
+    if args.model and args.random_weights:
+        raise EngineError("--model and --random-weights: give one or the other")
+    if args.model:  # a bad path fails here, before any tensor-parallel worker starts
+        from engine.checkpoint import model_dir
+
+        model_dir(args.model)
     if args.max_new_tokens < 2 or args.repeat < 1:
         raise EngineError("--max-new-tokens must be >= 2 and --repeat >= 1")
 
@@ -265,6 +277,8 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
                                  cuda_graphs=False if args.no_graphs else None, compile=args.compile or None)
         prompt = engine.encode_chat([{"role": "user", "content": args.prompt}])
     n, trunk = args.max_new_tokens, engine.trunk
+    if "mtp" in drafters and engine.mtp_drafter is None and (group is None or group.rank == 0):
+        sys.stderr.write(f"mtpchat: {engine.info.name} has no usable MTP head: no mtp rows\n")
     # sampled rows use seed = run index: every depth samples with the same seeds (texts differ across depths:
     # the random stream is consumed per cycle; the distribution does not)
     sampling = ({"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
@@ -322,7 +336,7 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
         "plain_fraction_of_hbm_peak": bw / peak if peak else None,
         "backends": {op: b for op, (b, _) in trunk.backends.choice.items()},
         "cuda_graphs": engine.graph_runner.report() if engine.graph_runner else None,
-        "command": "mtpchat " + " ".join(sys.argv[1:]),
+        "command": command_line(args),
     }
     from engine.diagnostics import versions
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from . import paths
 
-MAX_DEPTH = 4  # the depth keys offer 0..MAX_DEPTH; the engine accepts any depth >= 0
+DEPTH_KEYS = 4  # the keys 0..4 (and the palette) pick a depth directly
+MAX_DEPTH = 16  # settings and + / - go up to here (the engine accepts any depth >= 0)
 
 
 @dataclass
@@ -33,7 +34,7 @@ class Settings:
     def problems(self) -> dict[str, str]:
         """Invalid values: field name -> what is wrong (empty when all is well)."""
         checks = {
-            "depth": (0 <= self.depth <= 16, "depth must be between 0 and 16"),
+            "depth": (0 <= self.depth <= MAX_DEPTH, f"depth must be between 0 and {MAX_DEPTH}"),
             "max_new_tokens": (self.max_new_tokens >= 1, "max tokens must be at least 1"),
             "temperature": (self.temperature >= 0, "temperature must be >= 0"),
             "top_p": (0 < self.top_p <= 1, "top-p must be in (0, 1]"),

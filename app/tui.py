@@ -31,7 +31,7 @@ from .export import export_conversation
 from .live import LiveStatic
 from .panes import DiagnosticsPane, TimingPane
 from .screens import ConversationsScreen, ExportScreen, HelpScreen, ModelPickerScreen, SettingsScreen
-from .settings import MAX_DEPTH, Settings, load_settings, save_settings
+from .settings import DEPTH_KEYS, MAX_DEPTH, Settings, load_settings, save_settings
 from .stats import ReplyStats
 from .store import Conversation, Message, Store, StoreError, title_for
 from .transcript import DRAFT_STYLE, MessageView, PromptInput
@@ -94,12 +94,12 @@ class MtpChatApp(App):
         Binding("alt+k", "copy_code", "Copy code block", show=False, priority=True, id="copy-code"),
         *[
             Binding(f"alt+{d}", f"depth({d})", f"Depth {d}", show=False, priority=True, id=f"depth-{d}")
-            for d in range(MAX_DEPTH + 1)
+            for d in range(DEPTH_KEYS + 1)
         ],
         Binding("alt+minus", "depth_step(-1)", "Depth -", show=False, priority=True, id="depth-down"),
         Binding("alt+equals_sign,alt+plus", "depth_step(1)", "Depth +", show=False, priority=True, id="depth-up"),
         # plain keys work when the prompt is not focused (the prompt types them)
-        *[Binding(str(d), f"depth({d})", show=False) for d in range(MAX_DEPTH + 1)],
+        *[Binding(str(d), f"depth({d})", show=False) for d in range(DEPTH_KEYS + 1)],
         Binding("minus", "depth_step(-1)", show=False),
         Binding("plus,equals_sign", "depth_step(1)", show=False),
     ]
@@ -130,6 +130,7 @@ class MtpChatApp(App):
         self._save_error_shown = False
         self._picked_model: str | None = None
         self._fallbacks_noticed: set[tuple[str, str]] = set()
+        self.engine_info, self.engine_diagnostics = None, {}  # the loaded model's, refreshed after every reply
         for theme in themes.load_themes():
             self.register_theme(theme)
 
@@ -319,7 +320,11 @@ class MtpChatApp(App):
 
     def on_engine_loaded(self, message: EngineLoaded) -> None:
         self.engine_state = "ready"
-        self._fallbacks_noticed.clear()
+        self.engine_info, self.engine_diagnostics = message.info, message.diagnostics
+        # the load's own fallbacks (no CUDA, no FLA, ...) are in the diagnostics pane, not notices; plain decoding
+        # gets its notice at the first reply
+        self._fallbacks_noticed = {(f["feature"], f["reason"]) for f in message.diagnostics.get("fallbacks", [])
+                                   if f["feature"] != "speculation"}
         self.model_name = getattr(message.info, "name", None) or "model"
         self.model_path = str(getattr(message.info, "path", "") or "") or None
         self.ui("#diagnostics-pane", DiagnosticsPane).show(message.info, message.diagnostics)
@@ -391,6 +396,14 @@ class MtpChatApp(App):
         self._saved(self.store.finish_message, reply.id, status, finish_reason=message.reason,
                     stats=message.stats, fallbacks=message.fallbacks)
         request.stats.final = message.stats
+        if message.diagnostics is not None:  # replay counters, reuse and memory as they are now
+            self.engine_diagnostics = message.diagnostics
+            self.ui("#diagnostics-pane", DiagnosticsPane).show(self.engine_info, message.diagnostics)
+        for fallback in message.fallbacks:  # what changed during the reply (e.g. depth lowered on out of memory)
+            key = (fallback["feature"], fallback["reason"])
+            if key not in self._fallbacks_noticed:
+                self._fallbacks_noticed.add(key)
+                self.notify(f"{fallback['feature']}: {fallback['reason']}", severity="warning", timeout=8)
         await self._end_request(request)
 
     async def on_reply_failed(self, message: ReplyFailed) -> None:
@@ -615,7 +628,7 @@ class MtpChatApp(App):
     # command palette -------------------------------------------------------------------------------------
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        for depth in range(MAX_DEPTH + 1):
+        for depth in range(DEPTH_KEYS + 1):
             label = "plain decoding" if depth == 0 else f"{depth} MTP draft token{'s' * (depth > 1)} per cycle"
             yield SystemCommand(f"Depth {depth}", f"Speculation depth {depth}: {label}",
                                 lambda d=depth: self.action_depth(d))

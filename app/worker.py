@@ -115,6 +115,7 @@ class ReplyFinished(Message):
     reason: str
     stats: dict
     fallbacks: list[dict]
+    diagnostics: dict | None = None  # engine.diagnostics() after the reply (graph replays, reuse, memory)
 
 
 @dataclass
@@ -266,6 +267,13 @@ class EngineWorker:
         self.model = model
         self.post(EngineLoaded(self.engine.info, diagnostics))
 
+    def _diagnostics(self) -> dict | None:
+        try:
+            return self.engine.diagnostics()
+        except Exception:  # a snapshot is never worth failing a reply over
+            log.warning("engine.diagnostics failed", exc_info=True)
+            return None
+
     def _switch(self, model: str | None) -> None:
         previous = self.model if self.engine is not None else _NOTHING
         self._close()  # free its memory before loading the next one
@@ -337,7 +345,8 @@ class EngineWorker:
                     continue
                 elif isinstance(event, Finished):
                     flush(now)
-                    self.post(ReplyFinished(rid, event.reason, dict(event.stats), _fallbacks(event.fallbacks)))
+                    self.post(ReplyFinished(rid, event.reason, dict(event.stats), _fallbacks(event.fallbacks),
+                                            self._diagnostics()))
                     continue
                 if now - last_flush >= FLUSH_INTERVAL_S:
                     flush(now)

@@ -104,20 +104,25 @@ def verify(mixer, x, conv, recurrent, backends, rows: tuple) -> torch.Tensor:
     return output(mixer, core, z)
 
 
-def replayed(state: GDNState, stash: VerifyStash, n: int, backends) -> torch.Tensor:
-    """The recurrent state after the first n stashed tokens, replayed from the committed one. Writes nothing, so
-    it may run any number of times (a graph's warm-up runs it too). All GDN layers share one shape, dtype and
-    device (they live in one tensor): one grouped kernel call, with the layers as the batch dimension."""
+def replay(recurrent: torch.Tensor, stash: VerifyStash, n: int, backends) -> torch.Tensor:
+    """recurrent <- the state after the first n stashed tokens, replayed from recurrent (the committed state).
+    All GDN layers share one shape, dtype and device (they live in one tensor): one grouped kernel call, with
+    the layers as the batch dimension."""
     _, s = backends.gdn_recurrent(
-        stash.q[:, :n], stash.k[:, :n], stash.v[:, :n], stash.g[:, :n], stash.beta[:, :n], state.recurrent
+        stash.q[:, :n], stash.k[:, :n], stash.v[:, :n], stash.g[:, :n], stash.beta[:, :n], recurrent
     )
-    return s
+    return recurrent.copy_(s)
 
 
-def commit(state: GDNState, stash: VerifyStash, m: int, backends, replay=replayed) -> None:
+def commit(state: GDNState, stash: VerifyStash, m: int, backends, replay=replay) -> None:
     """Keep the first m + 1 verified tokens. Nothing is replayed when the whole verify pass is kept.
-    replay: `replayed` or a stand-in with its signature (GraphRunner.replay: the same, as a graph per n)."""
+    replay: `replay` or a stand-in with its signature (GraphRunner.replay: the same, as a graph per n)."""
     n, T, K1 = m + 1, stash.width, state.conv.shape[-1]
-    state.recurrent.copy_(stash.final if n == T else replay(state, stash, n, backends))
+    if not 0 < n <= T:  # a caller's bug: replaying rows no verify pass wrote would silently corrupt the state
+        raise RuntimeError(f"commit of {n} token(s) after a verify pass of {T}")
+    if n == T:
+        state.recurrent.copy_(stash.final)
+    else:
+        replay(state.recurrent, stash, n, backends)
     state.conv.copy_(stash.window[:, :, n : n + K1])
     stash.width = 0

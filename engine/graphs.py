@@ -68,14 +68,16 @@ class StepGraphs:
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
-    def run(self, key, inputs: tuple[torch.Tensor, ...], pos: int, step: Callable):
+    def run(self, key, inputs: tuple[torch.Tensor, ...], pos: int, step: Callable, warmup: Callable | None = None):
+        """warmup: what the capture's warm-up runs instead of step, for a step that writes state it also reads
+        (the warm-up must leave that state alone)."""
         if key != self.key:
             self.reset()
             self.key = key
         width = inputs[0].shape[1]
         self.pos.fill_(pos)
         if width not in self.graphs:
-            self.capture(width, inputs, step)
+            self.capture(width, inputs, step, warmup)
         graph, bufs, out = self.graphs[width]
         for buf, x in zip(bufs, inputs):
             buf.copy_(x)
@@ -83,23 +85,24 @@ class StepGraphs:
         self.replays[width] = self.replays.get(width, 0) + 1
         return out
 
-    def try_run(self, key, inputs: tuple[torch.Tensor, ...], pos: int, step: Callable, what: str):
+    def try_run(self, key, inputs: tuple[torch.Tensor, ...], pos: int, step: Callable, what: str,
+                warmup: Callable | None = None):
         if self.failure is not None:  # failed once: no capture is tried again
             return None
         try:
-            return self.run(key, inputs, pos, step)
+            return self.run(key, inputs, pos, step, warmup)
         except Exception as e:
             self.failure = f"{what} capture failed ({type(e).__name__}: {str(e)[:160]})"
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             return None
 
-    def capture(self, width: int, inputs, step: Callable) -> None:
+    def capture(self, width: int, inputs, step: Callable, warmup: Callable | None = None) -> None:
         """Under tensor parallelism every rank must run the same code, graphs or eager: a capture that failed on
         any rank fails on all of them (one collective per capture, none per replay)."""
         error = None
         try:
-            self._capture(width, inputs, step)
+            self._capture(width, inputs, step, warmup or step)
         except Exception as e:
             error = e
         if self.group is not None and not self.group.all_ok(error is None):
@@ -108,14 +111,17 @@ class StepGraphs:
         if error is not None:
             raise error
 
-    def _capture(self, width: int, inputs, step: Callable) -> None:
+    def _capture(self, width: int, inputs, step: Callable, warmup: Callable) -> None:
         bufs = tuple(x.clone() for x in inputs)
 
         def fn():
             return step(*bufs, self.pos)
 
+        def warm():
+            return warmup(*bufs, self.pos)
+
         if self.device.type != "cuda":
-            graph = Rerun(fn, fn())
+            graph = Rerun(fn, warm())
             self.graphs[width] = (graph, bufs, graph.out)
             self.captures += 1
             return
@@ -124,7 +130,7 @@ class StepGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: compilation and Triton autotuning must not happen in capture
             for _ in range(2):
-                fn()
+                warm()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         self.warmup_s += time.perf_counter() - t0
@@ -155,18 +161,22 @@ class GraphRunner:
         self.steps.reset()
         self.commits.reset()
 
-    def replay(self, state, stash, n: int, backends) -> torch.Tensor:
-        """gdn.replayed as a graph per kept length n: the kernel launch without its Python wrapper's cost."""
-        from .gdn import replayed
+    def replay(self, recurrent: torch.Tensor, stash, n: int, backends) -> torch.Tensor:
+        """gdn.replay as a graph per kept length n: the kernel launch without its Python wrapper's cost, and the
+        state written in place inside the graph (one replay, one update)."""
+        from .gdn import replay
 
         def step(kept, pos):
-            return replayed(state, stash, kept.shape[1], backends)
+            return replay(recurrent, stash, kept.shape[1], backends)
+
+        def warmup(kept, pos):  # the same kernels on a scratch copy: warming up must not advance the state
+            return replay(recurrent.clone(), stash, kept.shape[1], backends)
 
         if self.kept.shape[1] < n:  # verify passes wider than max_width (deep drafting) keep more
             self.kept = torch.zeros(1, n, device=self.kept.device)
-        key = (stash.q.data_ptr(), state.recurrent.data_ptr())
-        out = self.commits.try_run(key, (self.kept[:, :n],), 0, step, "commit graph")
-        return replayed(state, stash, n, backends) if out is None else out
+        key = (stash.q.data_ptr(), recurrent.data_ptr())
+        out = self.commits.try_run(key, (self.kept[:, :n],), 0, step, "commit graph", warmup)
+        return replay(recurrent, stash, n, backends) if out is None else out
 
     def run(self, tokens: torch.Tensor, pos: int, caches) -> torch.Tensor:
         trunk, T = self.trunk, tokens.shape[1]

@@ -303,7 +303,7 @@ class TrunkCaches:
         """Keep the first m + 1 tokens of the verify pass that started at `processed`. graphs: the trunk's
         GraphRunner, whose graphs replay the GDN recurrence (None: eager)."""
         if self.n_gdn:
-            gdn.commit(self.gdn, self.stash, m, backends, gdn.replayed if graphs is None else graphs.replay)
+            gdn.commit(self.gdn, self.stash, m, backends, gdn.replay if graphs is None else graphs.replay)
         self.processed += m + 1
         self.kv.trim(self.processed)
 
@@ -354,7 +354,7 @@ def default_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
 
 def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> Loaded:
     """tp: a tp.TPGroup: load only this rank's shard (see tp.py); None: the whole model on one device."""
-    from .mtp import MTPHead
+    from .mtp import MTPHead, MTPUnusable
 
     root = model_dir(path)
     if tp is not None:
@@ -418,7 +418,11 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> 
         fallbacks.append(Fallback("speculation", f"{why}: plain decoding"))
     else:
         n_mtp = declared or len({k.split(".")[2] for k in mtp_keys if k.startswith("mtp.layers.")})
-        mtp = MTPHead.build(family, cfg, trunk, n_mtp, mtp_keys, files, dt)
+        try:
+            mtp = MTPHead.build(family, cfg, trunk, n_mtp, mtp_keys, files, dt)
+        except MTPUnusable as e:  # the trunk still chats: plain decoding, with the reason
+            mtp, n_mtp = None, 0
+            fallbacks.append(Fallback("speculation", f"{e}: plain decoding"))
     params = sum(p.numel() for p in lm.parameters()) + (sum(p.numel() for p in mtp.parameters()) if mtp else 0)
     return Loaded(root.name, str(root), raw, trunk, mtp, n_mtp, params, fallbacks)
 

@@ -19,6 +19,10 @@ from .fusion import fuse_all
 from .model import attention, mlp
 
 
+class MTPUnusable(EngineError):
+    """The checkpoint's mtp.* tensors do not make a head this engine can run (the trunk is fine)."""
+
+
 class MTPHead(nn.Module):
     def __init__(self, config, family, n_layers: int):
         super().__init__()
@@ -53,15 +57,14 @@ class MTPHead(nn.Module):
         sd = fuse_experts({k[len("mtp."):]: v for k, v in sd.items()})
         missing = [k for k in expected if k not in sd]
         if missing:
-            raise EngineError(f"{files.root}: partial MTP head: tensor 'mtp.{missing[0]}' is missing "
+            raise MTPUnusable(f"partial MTP head: tensor 'mtp.{missing[0]}' is missing "
                               f"({len(missing)} missing in all)")
         extra = [k for k in sd if k not in expected]
         if extra:
-            raise EngineError(f"{files.root}: unexpected MTP tensor 'mtp.{extra[0]}'")
+            raise MTPUnusable(f"unexpected MTP tensor 'mtp.{extra[0]}'")
         for k, t in expected.items():
             if tuple(sd[k].shape) != tuple(t.shape):
-                raise EngineError(f"{files.root}: tensor 'mtp.{k}' has shape {tuple(sd[k].shape)}, "
-                                  f"expected {tuple(t.shape)}")
+                raise MTPUnusable(f"MTP tensor 'mtp.{k}' has shape {tuple(sd[k].shape)}, expected {tuple(t.shape)}")
         head.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
         head.to(trunk.device).eval()
         return head.attach(trunk)

@@ -51,6 +51,8 @@ async def test_reply_streams_and_is_saved(home, model):
         # the timing pane shows the reply's numbers
         summary = str(app.query_one("#timing-summary", Static).visual)
         assert summary and app.query_one("#prompt", PromptInput).text == ""
+        # the diagnostics pane is refreshed after the reply: the conversation is now the reusable history
+        assert app.engine_diagnostics["reuse"]["history_tokens"] >= len(reply.token_ids)
     stored = Store().load_conversation(app.conversation.id).messages
     assert [m.role for m in stored] == ["user", "assistant"]
     assert stored[1].token_ids == reply.token_ids and stored[1].sources == reply.sources
@@ -218,6 +220,32 @@ async def test_failed_load_is_a_notice_and_a_good_model_can_be_picked(home, mode
         reply = await wait_reply(pilot, app)
         assert reply.role == "assistant" and reply.status == "complete"
         assert app.conversation.messages[0].content == "keep me"
+
+
+@run_async
+async def test_a_fallback_during_a_reply_is_a_notice(home, model):
+    """Out of memory mid-reply: the engine lowers the depth and goes on; the user is told, once."""
+    import torch
+
+    write_settings(max_new_tokens=12, depth=4)
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        trunk = app.worker.engine.trunk
+        real, calls = trunk.forward, {"n": 0}
+
+        def flaky(tokens, *a, **k):  # a verify pass of the second cycle runs out of memory
+            calls["n"] += 1
+            if calls["n"] == 3 and tokens.shape[1] > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            return real(tokens, *a, **k)
+
+        trunk.forward = flaky
+        await send(pilot, app, "Hello")
+        reply = await wait_reply(pilot, app)
+        assert reply.status == "complete" and reply.content
+        notices = [n.message for n in app._notifications if n.message.startswith("memory:")]
+        assert len(notices) == 1 and "depth lowered to 2" in notices[0]
 
 
 @run_async

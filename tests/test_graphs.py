@@ -69,7 +69,7 @@ def test_a_longer_request_recaptures_after_the_caches_grow(ckpt, engines):
 def test_a_failed_capture_falls_back_to_eager_steps_with_the_reason(ckpt, engines, monkeypatch):
     from engine.graphs import StepGraphs
 
-    def refuse(self, width, inputs, step):
+    def refuse(self, width, inputs, step, warmup=None):
         raise RuntimeError("capture refused")
 
     monkeypatch.setattr(StepGraphs, "capture", refuse)

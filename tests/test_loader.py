@@ -185,12 +185,6 @@ def test_bad_inputs(ckpt, tmp_path, capsys):
     (llama / "config.json").write_text(json.dumps(conf))
     cases.append((["--model", str(llama)], "unsupported model_type 'llama'; supported: qwen3_5"))
 
-    partial = broken_copy(good, tmp_path / "partial")
-    t = load_file(partial / "model.safetensors")
-    del t["mtp.layers.0.self_attn.k_proj.weight"]
-    save_file(t, partial / "model.safetensors", metadata={"format": "pt"})
-    cases.append((["--model", str(partial)], "partial MTP head: tensor 'mtp.layers.0.self_attn.k_proj.weight'"))
-
     mlx = broken_copy(good, tmp_path / "mlx")
     t = load_file(mlx / "model.safetensors")
     key = next(k for k in t if k.endswith("linear_attn.conv1d.weight"))
@@ -220,6 +214,20 @@ def test_bad_inputs(ckpt, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main([*base, "--dtype", "float8"])
     assert e.value.code == 2 and "--dtype" in capsys.readouterr().err
+
+
+def test_a_partial_mtp_head_means_plain_decoding_with_the_reason(ckpt, tmp_path, capsys):
+    """The trunk is whole, its MTP head is not: the model still chats, plainly, and says why (as `models` does)."""
+    partial = broken_copy(ckpt("next"), tmp_path / "partial")
+    t = load_file(partial / "model.safetensors")
+    del t["mtp.layers.0.self_attn.k_proj.weight"]
+    save_file(t, partial / "model.safetensors", metadata={"format": "pt"})
+    code = main(["run", "--model", str(partial), "--prompt", "hi", "--max-new-tokens", "4", "--depth", "2",
+                 "--ignore-eos", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(out["token_ids"]) == 4 and out["stats"]["drafted"] == 0
+    reasons = [f["reason"] for f in out["fallbacks"] if f["feature"] == "speculation"]
+    assert any("partial MTP head: tensor 'mtp.layers.0.self_attn.k_proj.weight' is missing" in r for r in reasons)
 
 
 def test_bad_input_from_a_real_process_has_no_traceback(tmp_path):

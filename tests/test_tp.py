@@ -278,12 +278,19 @@ def test_cli_run_tp2_json(paths, single, capfd):
     assert tp["world"] == 2 and tp["backend"] == "gloo" and tp["shard"]["attention_heads"] == [0, 2]
 
 
-def test_cli_error_is_one_line(capfd):
+def test_cli_error_is_one_line(capfd, paths, tmp_path):
+    import shutil
+
     from app.cli import main
 
+    # a missing folder is refused before any worker starts
     assert main(["run", "--model", "/nonexistent/model", "--prompt", "x", "--tp", "2", "--device", "cpu"]) == 2
-    err = capfd.readouterr().err.strip().splitlines()
-    assert err == ["mtpchat: error: /nonexistent/model: no such model folder"]
+    assert capfd.readouterr().err.strip().splitlines() == ["mtpchat: error: /nonexistent/model: no such model folder"]
+    # a folder that every rank fails to load: the same error on each rank, said once
+    shutil.copy(Path(paths["next"]) / "config.json", tmp_path / "config.json")
+    assert main(["run", "--model", str(tmp_path), "--prompt", "x", "--tp", "2", "--device", "cpu"]) == 2
+    err = [line for line in capfd.readouterr().err.strip().splitlines() if line.startswith("mtpchat")]
+    assert len(err) == 1 and err[0].startswith(f"mtpchat: error: {tmp_path}"), err
 
 
 def _die(args, group: TPGroup) -> int:
