@@ -41,6 +41,14 @@ def _tp_size(text: str) -> int:
     return n
 
 
+def check_model_folder(args) -> None:
+    """A bad --model fails before anything slow starts (a model load, tensor-parallel workers)."""
+    if getattr(args, "model", None):
+        from engine.checkpoint import model_dir
+
+        model_dir(args.model)
+
+
 def add_tp_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=_tp_size, default=1, metavar="N",
                    help="tensor parallelism: shard the model over N worker processes (one GPU each on CUDA, "

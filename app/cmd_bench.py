@@ -7,6 +7,7 @@ median of --repeat runs. Compare ratios within one run, not numbers across machi
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -210,8 +211,6 @@ def precision_report(args) -> int:
 
 
 def command_line(args) -> str:
-    import shlex
-
     return shlex.join(["mtpchat", *getattr(args, "argv", sys.argv[1:])])
 
 
@@ -225,17 +224,26 @@ def emit(result: dict, args, text: str) -> int:
 
 
 def _bench_rank(args, group) -> int:
-    """One rank of `bench --tp N`: its shard of the model (real or random weights), the same rows as rank 0.
-    CUDA graphs as on one GPU: the collectives are captured inside them."""
-    from engine import Engine, load_engine, tp
+    """One rank of `bench --tp N`: the same rows as rank 0, on its shard."""
+    return _bench(args, _engine(args, group), group)
 
-    graphs, compile = (False if args.no_graphs else None), (args.compile or None)
-    if args.random_weights:
-        engine = Engine(tp.random_model(args.random_weights, args.layers, group, args.dtype), None, set(),
-                        cuda_graphs=graphs, compile=compile)
-    else:
-        engine = load_engine(args.model, None, args.dtype, tp=group, cuda_graphs=graphs, compile=compile)
-    return _bench(args, engine, group)
+
+def _engine(args, group=None) -> Engine:
+    """What bench measures: a checkpoint, or random weights in a preset's shape; under --tp this rank's shard
+    (CUDA graphs as on one GPU: the collectives are captured inside them)."""
+    from engine import Engine, load_engine, presets, tp
+
+    flags = {"cuda_graphs": False if args.no_graphs else None, "compile": args.compile or None}
+    if not args.random_weights:
+        return load_engine(args.model, None if group else args.device, args.dtype, tp=group, **flags)
+    if group is None:
+        return Engine(presets.random_model(args.random_weights, args.layers, args.device, args.dtype), None, set(),
+                      **flags)
+    return Engine(tp.random_model(args.random_weights, args.layers, group, args.dtype), None, set(), **flags)
+
+
+def _drafters(args) -> list[str]:
+    return [d.strip() for d in args.drafter.split(",") if d.strip()]
 
 
 def _check_args(args) -> None:
@@ -243,15 +251,13 @@ def _check_args(args) -> None:
 
     _ints(args.depths, "--depths")
     _floats(args.acceptance, "--acceptance")
-    drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]
-    if any(d not in ("mtp", "oracle") for d in drafters):
+    if any(d not in ("mtp", "oracle") for d in _drafters(args)):
         raise EngineError(f"--drafter {args.drafter!r}: expected mtp, oracle or both")
     if args.model and args.random_weights:
         raise EngineError("--model and --random-weights: give one or the other")
-    if args.model:  # a bad path fails here, before any tensor-parallel worker starts
-        from engine.checkpoint import model_dir
+    from .cli import check_model_folder
 
-        model_dir(args.model)
+    check_model_folder(args)
     if args.max_new_tokens < 2 or args.repeat < 1:
         raise EngineError("--max-new-tokens must be >= 2 and --repeat >= 1")
 
@@ -259,23 +265,15 @@ def _check_args(args) -> None:
 def _bench(args, engine: Engine | None = None, group=None) -> int:
     import torch
 
-    from engine import Engine, load_engine
     from engine.drafters import OracleDrafter
-    from engine.presets import random_model, weight_bytes_per_token
+    from engine.presets import weight_bytes_per_token
 
     depths = _ints(args.depths, "--depths")
     rates = _floats(args.acceptance, "--acceptance")
-    drafters = [d.strip() for d in args.drafter.split(",") if d.strip()]  # checked by _check_args
-    if args.random_weights:
-        if engine is None:
-            engine = Engine(random_model(args.random_weights, args.layers, args.device, args.dtype), None, set(),
-                            cuda_graphs=False if args.no_graphs else None, compile=args.compile or None)
-        prompt = list(range(1, 33))
-    else:
-        if engine is None:
-            engine = load_engine(args.model, args.device, args.dtype,
-                                 cuda_graphs=False if args.no_graphs else None, compile=args.compile or None)
-        prompt = engine.encode_chat([{"role": "user", "content": args.prompt}])
+    drafters = _drafters(args)  # checked by _check_args
+    engine = engine or _engine(args)
+    prompt = (list(range(1, 33)) if args.random_weights
+              else engine.encode_chat([{"role": "user", "content": args.prompt}]))
     n, trunk = args.max_new_tokens, engine.trunk
     if "mtp" in drafters and engine.mtp_drafter is None and (group is None or group.rank == 0):
         sys.stderr.write(f"mtpchat: {engine.info.name} has no usable MTP head: no mtp rows\n")

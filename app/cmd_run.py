@@ -39,11 +39,10 @@ def run(args) -> int:
     from engine import load_engine
     from engine.tp import launch, under_torchrun
 
-    settings_from(args)  # a bad flag fails before the slow model load
-    if args.model:  # and a bad path before any tensor-parallel worker starts
-        from engine.checkpoint import model_dir
+    from .cli import check_model_folder
 
-        model_dir(args.model)
+    settings_from(args)  # a bad flag fails before the slow model load
+    check_model_folder(args)
 
     tp = getattr(args, "tp", 1)
     if tp > 1 or under_torchrun():  # N ranks run the same loop; rank 0 owns the output

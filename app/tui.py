@@ -357,14 +357,18 @@ class MtpChatApp(App):
         request = self.request
         return request if request is not None and request.message.id == request_id else None
 
-    def on_reply_started(self, message: ReplyStarted) -> None:
-        # a request decoded without speculation is worth a notice (once per reason); the environment's
-        # fallbacks (e.g. no CUDA) are in the diagnostics pane
-        for fallback in message.fallbacks:
+    def _notice_fallbacks(self, fallbacks: list[dict], features: tuple[str, ...] | None = None) -> None:
+        """One notice per (feature, reason) while a model is loaded; the load's own fallbacks (no CUDA, ...) are
+        in the diagnostics pane instead (on_engine_loaded marks them noticed)."""
+        for fallback in fallbacks:
             key = (fallback["feature"], fallback["reason"])
-            if fallback["feature"] == "speculation" and key not in self._fallbacks_noticed:
+            if (features is None or key[0] in features) and key not in self._fallbacks_noticed:
                 self._fallbacks_noticed.add(key)
-                self.notify(f"Plain decoding: {fallback['reason']}", severity="warning", timeout=8)
+                what = "Plain decoding" if key[0] == "speculation" else key[0]
+                self.notify(f"{what}: {key[1]}", severity="warning", timeout=8)
+
+    def on_reply_started(self, message: ReplyStarted) -> None:
+        self._notice_fallbacks(message.fallbacks, ("speculation",))  # before the reply: it will not speculate
 
     def on_reply_progress(self, message: ReplyProgress) -> None:
         request = self._current(message.request_id)
@@ -399,11 +403,7 @@ class MtpChatApp(App):
         if message.diagnostics is not None:  # replay counters, reuse and memory as they are now
             self.engine_diagnostics = message.diagnostics
             self.ui("#diagnostics-pane", DiagnosticsPane).show(self.engine_info, message.diagnostics)
-        for fallback in message.fallbacks:  # what changed during the reply (e.g. depth lowered on out of memory)
-            key = (fallback["feature"], fallback["reason"])
-            if key not in self._fallbacks_noticed:
-                self._fallbacks_noticed.add(key)
-                self.notify(f"{fallback['feature']}: {fallback['reason']}", severity="warning", timeout=8)
+        self._notice_fallbacks(message.fallbacks)  # and what happened during the reply (out of memory: depth lowered)
         await self._end_request(request)
 
     async def on_reply_failed(self, message: ReplyFailed) -> None:

@@ -228,3 +228,21 @@ def to_hf_cache(src: Path, cache: Path, repo_id: str, rev: str = "a" * 40) -> Pa
     (repo / "refs" / "main").write_text(rev)
     shutil.rmtree(src)
     return snap
+
+
+def oom(*a, **k):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+
+def oom_on_the_second_verify(forward):
+    """forward, except that its third call runs out of memory when it is a verify pass of several tokens (the
+    second cycle of a speculative reply: prefill, first verify, then this one)."""
+    calls = {"n": 0}
+
+    def flaky(tokens, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3 and tokens.shape[1] > 1:
+            oom()
+        return forward(tokens, *a, **k)
+
+    return flaky

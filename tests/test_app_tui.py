@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from app_support import home  # noqa: F401 (a fixture)
 from app_support import run_async, send, wait_loaded, wait_reply, wait_until, write_settings
+from fixtures import oom_on_the_second_verify
 from textual.widgets import DataTable, Input, Label, Markdown, Static
 
 from app.screens import ExportScreen, ModelPickerScreen
@@ -225,22 +226,12 @@ async def test_failed_load_is_a_notice_and_a_good_model_can_be_picked(home, mode
 @run_async
 async def test_a_fallback_during_a_reply_is_a_notice(home, model):
     """Out of memory mid-reply: the engine lowers the depth and goes on; the user is told, once."""
-    import torch
-
     write_settings(max_new_tokens=12, depth=4)
     app = MtpChatApp(model=model)
     async with app.run_test(size=SIZE) as pilot:
         await wait_loaded(pilot, app)
         trunk = app.worker.engine.trunk
-        real, calls = trunk.forward, {"n": 0}
-
-        def flaky(tokens, *a, **k):  # a verify pass of the second cycle runs out of memory
-            calls["n"] += 1
-            if calls["n"] == 3 and tokens.shape[1] > 1:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-            return real(tokens, *a, **k)
-
-        trunk.forward = flaky
+        trunk.forward = oom_on_the_second_verify(trunk.forward)
         await send(pilot, app, "Hello")
         reply = await wait_reply(pilot, app)
         assert reply.status == "complete" and reply.content

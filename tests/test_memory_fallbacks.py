@@ -1,16 +1,12 @@
 """Out-of-memory fallbacks: at load the next candidate is tried; while decoding the depth is lowered once."""
 
 import pytest
-import torch
+from fixtures import oom, oom_on_the_second_verify
 
 import engine.api as api
 from engine import GenerationSettings
 from engine.errors import EngineError
 from engine.events import Fallback, Tokens
-
-
-def oom(*a, **k):
-    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
 
 def test_oom_at_load_moves_to_the_next_candidate(ckpt, monkeypatch):
@@ -44,16 +40,7 @@ def test_oom_while_decoding_lowers_depth_once_then_errors(engines, monkeypatch):
     settings = GenerationSettings(max_new_tokens=20, depth=4, ignore_eos=True)
     plain = [t for e in engine.generate(prompt, GenerationSettings(max_new_tokens=20, depth=0, ignore_eos=True))
              if isinstance(e, Tokens) for t in e.token_ids]
-    real = engine.trunk.forward
-    calls = {"n": 0}
-
-    def flaky(tokens, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3 and tokens.shape[1] > 1:
-            oom()
-        return real(tokens, *a, **k)
-
-    monkeypatch.setattr(engine.trunk, "forward", flaky)
+    monkeypatch.setattr(engine.trunk, "forward", oom_on_the_second_verify(engine.trunk.forward))
     events = list(engine.generate(prompt, settings))
     out = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
     notes = [e for e in events if isinstance(e, Fallback)]
