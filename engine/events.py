@@ -38,7 +38,7 @@ class Cycle:
     accepted: int
     accepted_per_position: list[bool]  # one flag per drafted position
     phase_ms: dict[str, float]  # this cycle's phases
-    committed: int  # tokens committed this cycle (accepted + 1)
+    committed: int  # tokens committed this cycle: accepted + 1, or accepted when an accepted draft was the EOS
 
 
 @dataclass

@@ -121,12 +121,15 @@ def test_partial_acceptance_at_every_position(name, depth, engines):
     assert per_pos[0] > 0  # position 0 accepted whenever a later position was the corrupted one
 
 
-def test_eos_inside_accepted_drafts_stops_like_plain(engines):
-    """Plain decoding stops at the first EOS; speculation must not emit what follows an accepted EOS draft."""
+@pytest.mark.parametrize("at", [5, 7])
+def test_eos_inside_accepted_drafts_stops_like_plain(at, engines):
+    """Plain decoding stops at the first EOS; speculation must not emit what follows an accepted EOS draft. At
+    depth 4 from the first token on, token 5 is a cycle's bonus and token 7 one of its drafts: an EOS drafted and
+    accepted counts as accepted (it is shown as a draft), and the drafts after it count neither way."""
     engine = engines("next")
     prompt = engine.encode_chat(PROMPTS[0])
     plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=30)
-    stop = plain[5]  # pretend this token is EOS
+    stop = plain[at]  # pretend this token is EOS
     engine.stop_ids, saved = frozenset({stop}), engine.stop_ids
     try:
         ref, _, fin0 = decode(engine, prompt, depth=0, ignore_eos=False, max_new_tokens=30)
@@ -137,6 +140,9 @@ def test_eos_inside_accepted_drafts_stops_like_plain(engines):
         engine.stop_ids = saved
     assert ref == plain[: plain.index(stop) + 1] and fin0.reason == "eos"
     assert spec == ref and fin.reason == "eos" and "draft" in sources
+    assert fin.stats["accepted"] == sources.count("draft") and fin.stats["acceptance_rate"] == 1.0
+    assert fin.stats["per_position_acceptance"] == [1.0] * len(fin.stats["per_position_acceptance"])
+    assert (sources[-1] == "draft") == (plain.index(stop) % 5 != 0)  # both cases happen across the two
 
 
 def test_max_new_tokens_is_exact_at_every_depth(engines):
