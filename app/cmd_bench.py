@@ -337,8 +337,9 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
         "command": command_line(args),
     }
     from engine.diagnostics import versions
+    from engine.environment import nvidia_driver
 
-    result["versions"] = versions()
+    result["versions"] = {**versions(), "nvidia_driver": nvidia_driver()}
     if group is not None:  # params, weight bytes and bandwidth above are per rank (rank 0's shard)
         result["tensor_parallel"] = {**group.describe(), "shard": group.plan.describe()}
         if trunk.device.type == "cuda":

@@ -146,6 +146,9 @@ class Engine:
                 out.append(Fallback("cuda_graphs", f"{graphs.failure}: eager steps"))
         if self.graph_runner is not None and self.graph_runner.compile_failure:
             out.append(Fallback("compile", self.graph_runner.compile_failure))
+        if self.graph_runner is not None and self.graph_runner.decodes.failure:
+            out.append(Fallback("cuda_graphs", f"{self.graph_runner.decodes.failure}: plain decoding verifies one "
+                                               f"token and commits it (the verify graph)"))
         if settings.depth > 0 or drafter is not None:
             if drafter is None and self.mtp_drafter is None:
                 out += [f for f in self.loaded.fallbacks if f.feature == "speculation"]

@@ -250,6 +250,22 @@ def package_versions() -> dict:
     return versions
 
 
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver's version as nvidia-smi reports it; None where there is none."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().split("\n")[0].strip() or None
+
+
 def compile_capability(device: DeviceInfo | None = None) -> dict:
     """What torch offers for compilation and graph capture here. Capability only: whether capture actually works
     is certified at run time by the engine's diagnostics (replay counters), not assumed here."""

@@ -57,8 +57,13 @@ def project(mixer, x: torch.Tensor):
 
 def kernel_inputs(mixer, window: torch.Tensor, T: int, b, a):
     """Short causal conv over [K-1 past inputs | T new inputs] -> q, k, v, g, beta for the recurrence."""
-    w = mixer.conv1d.weight  # [C, 1, K]
-    conv = F.silu(F.conv1d(window, w, mixer.conv1d.bias, groups=w.shape[0]))  # [1, C, T]
+    w, bias = mixer.conv1d.weight, mixer.conv1d.bias  # [C, 1, K]
+    if torch.compiler.is_compiling():  # verify / decode widths: a multiply-add the compiler fuses with its
+        # neighbours (F.conv1d stays an extern kernel: 4.4 us against 1.3 us per layer on the H200, 27B shape)
+        conv = (window.unfold(-1, w.shape[-1], 1) * w[:, None, 0]).sum(-1)
+        conv = F.silu(conv if bias is None else conv + bias[:, None])
+    else:
+        conv = F.silu(F.conv1d(window, w, bias, groups=w.shape[0]))  # [1, C, T]
     q, k, v = torch.split(conv.transpose(1, 2), [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
     q = q.reshape(1, T, -1, mixer.head_k_dim)
     k = k.reshape(1, T, -1, mixer.head_k_dim)

@@ -152,6 +152,7 @@ class GraphRunner:
         self.trunk = trunk
         self.steps = StepGraphs(trunk.device, max_width, trunk.group)
         self.commits = StepGraphs(trunk.device, max_width, trunk.group)  # commit's GDN replay, one graph per n
+        self.decodes = StepGraphs(trunk.device, 1, trunk.group)  # plain decoding's in-place step
         self.kept = torch.zeros(1, max_width, device=trunk.device)  # its width key: kept[:, :n]
         self.compile_failure: str | None = None
         if compile:
@@ -160,6 +161,7 @@ class GraphRunner:
     def reset(self) -> None:
         self.steps.reset()
         self.commits.reset()
+        self.decodes.reset()
 
     def replay(self, recurrent: torch.Tensor, stash, n: int, backends) -> torch.Tensor:
         """gdn.replay as a graph per kept length n: the kernel launch without its Python wrapper's cost, and the
@@ -198,11 +200,32 @@ class GraphRunner:
         stash.width = T  # the Python side effect of the replayed forward
         return out
 
+    def decode(self, tokens: torch.Tensor, pos: int, caches):
+        """Plain decoding's step (one token, nothing to reject) as one graph that writes the GDN state in place and
+        yields the logits: no stash, no commit copy of the state, no separate lm_head launch. Returns
+        (hidden, logits), static: read them before the next replay. None if it cannot be captured (the caller
+        then verifies and commits, as for a draft)."""
+        trunk, state = self.trunk, caches.gdn
+        key = (caches.kv.k.data_ptr(), state.recurrent.data_ptr())
+
+        def step(tokens, pos):
+            hidden = trunk.forward(tokens, pos, caches, verify=False)
+            return hidden, trunk.logits(hidden[0])
+
+        def warmup(tokens, pos):  # the same kernels, the state put back: warming up must not advance it
+            saved = state.conv.clone(), state.recurrent.clone()
+            out = step(tokens, pos)
+            state.conv.copy_(saved[0])
+            state.recurrent.copy_(saved[1])
+            return out
+
+        return self.decodes.try_run(key, (tokens,), pos, step, "decode graph", warmup)
+
     @property
     def failure(self) -> str | None:
         return self.steps.failure or self.commits.failure
 
     def report(self) -> dict:
-        return {**self.steps.report(), "commit": self.commits.report(),
+        return {**self.steps.report(), "commit": self.commits.report(), "decode": self.decodes.report(),
                 "compiled": self.trunk.compiled_block is not None, "compile_failure": self.compile_failure,
                 "warmup_s": round(self.steps.warmup_s, 1)}

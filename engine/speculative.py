@@ -49,8 +49,7 @@ def prefill(trunk, caches, drafter, ids: torch.Tensor, chunk: int, timer: PhaseT
             part = ids[s : s + chunk].unsqueeze(0)
             caches.kv.reserve(part.shape[1])
             h = trunk.forward(part, caches.processed, caches, verify=False)
-            caches.processed += part.shape[1]
-            caches.kv.trim(caches.processed)
+            caches.advance(part.shape[1])
             if drafter is not None:
                 drafter.observe(h)
         return trunk.logits(h[:, -1])
@@ -68,13 +67,20 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
     timer.start_cycle()
     k = min(depth, req.max_new - len(req.generated) - 1) if drafter is not None else 0
     seq = req.seq[: req.length]
+    stepped = None  # plain decoding's in-place graph step ran: t_n is processed already
     try:
         drafts, q = drafter.propose(seq, k, timer, req) if k > 0 else (seq[:0], None)
         with timer.phase("verify"):
             inp = torch.cat([seq[-1:], drafts]).unsqueeze(0)
             caches.kv.reserve(k + 1)
-            hidden = trunk.forward(inp, caches.processed, caches, verify=True)
-            logits = trunk.logits(hidden[0])
+            if k == 0 and trunk.graphs is not None:
+                stepped = trunk.graphs.decode(inp, caches.processed, caches)
+            if stepped is not None:
+                caches.advance(1)  # the replay wrote the state (all or nothing): count t_n as processed now
+                hidden, logits = stepped
+            else:
+                hidden = trunk.forward(inp, caches.processed, caches, verify=True)
+                logits = trunk.logits(hidden[0])
         with timer.phase("accept"):
             if req.sampling.greedy:  # the longest prefix where the target's argmax equals the draft
                 targets = logits.argmax(-1)
@@ -91,15 +97,20 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
                 req.finish = "eos"
                 break
         with timer.phase("commit"):
-            caches.commit(m, trunk.backends, trunk.graphs)
+            if stepped is None:
+                caches.commit(m, trunk.backends, trunk.graphs)
             if drafter is not None:
                 drafter.rollback()
                 drafter.observe(hidden[:, : m + 1])
             req.append(torch.cat([drafts[:m], targets[m : m + 1]]))  # device slices: no host-to-device copy
-    except BaseException:
+    except BaseException as e:
         caches.abort()
         if drafter is not None:
             drafter.rollback()
+        if stepped is not None and isinstance(e, torch.OutOfMemoryError):
+            # the caches hold t_n already, so this cycle cannot be retried: not an error the caller may retry
+            # (it then drops the state, and the next request starts from zero)
+            raise RuntimeError(f"out of memory after a decoding step: {str(e).splitlines()[0][:160]}") from e
         raise
     # An accepted draft that is the EOS ends the reply: it counts as accepted (its source is DRAFT), and the
     # drafts after it, past the reply's end, count neither way. (Counting the EOS draft as rejected, as m does

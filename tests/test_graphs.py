@@ -42,7 +42,9 @@ def test_replayed_steps_equal_eager_and_replays_are_counted(name, ckpt, engines)
     report = graphs.diagnostics()["compile"]
     trunk, mtp = report["cuda_graphs"], report["mtp_cuda_graphs"]
     assert trunk["failure"] is None and mtp["failure"] is None
-    assert all(trunk["replays"][str(w)] > 5 for w in (1, 2, 4))  # plain, depth 1, depth 3 verify widths
+    assert all(trunk["replays"][str(w)] > 5 for w in (2, 4))  # depth 1 and depth 3 verify widths
+    # plain decoding: the in-place step (its own graph), not a width-1 verify and a commit
+    assert trunk["decode"]["failure"] is None and trunk["decode"]["replays"]["1"] > 5
     # commit's GDN replay (partly accepted verify passes): one graph per kept length, 1 at least
     assert trunk["commit"]["failure"] is None and trunk["commit"]["replays"]["1"] > 5
     assert mtp["replays"]["1"] > 5  # draft steps (and one-position refreshes)
@@ -82,3 +84,19 @@ def test_a_failed_capture_falls_back_to_eager_steps_with_the_reason(ckpt, engine
     assert graphs.trunk.graphs is None  # eager from now on
     reasons = [f.reason for f in graphs.fallbacks(GenerationSettings(), None) if f.feature == "cuda_graphs"]
     assert len(reasons) == 2 and all("eager steps" in r for r in reasons)
+
+
+def test_a_failed_decode_capture_leaves_plain_decoding_on_the_verify_graph(ckpt, engines):
+    graphs = load_engine(str(ckpt("next")), cuda_graphs=True)
+
+    def refuse(width, inputs, step, warmup=None):
+        raise RuntimeError("decode capture refused")
+
+    graphs.graph_runner.decodes.capture = refuse
+    prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    assert run(graphs, prompt, 0)[0] == run(engines("next"), prompt, 0)[0]
+    report = graphs.diagnostics()["compile"]["cuda_graphs"]
+    assert "decode capture refused" in report["decode"]["failure"] and report["replays"]["1"] > 5
+    assert graphs.trunk.graphs is not None  # the verify graphs still run
+    reasons = [f.reason for f in graphs.fallbacks(GenerationSettings(), None) if f.feature == "cuda_graphs"]
+    assert len(reasons) == 1 and "verifies one token" in reasons[0]
