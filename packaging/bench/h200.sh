@@ -4,6 +4,7 @@
 #   bash packaging/bench/h200.sh distill  # the demo model's MTP head distillation (then export + evaluate on a CPU)
 #   bash packaging/bench/h200.sh speed    # 27B shape eager / graphs / graphs+compile, GPU tests, 80B-A3B slice
 #   bash packaging/bench/h200.sh profile  # kernels of one 27B-shape decode step
+#   bash packaging/bench/h200.sh ops      # decode attention and conv variants, per call, inside CUDA graphs
 #   bash packaging/bench/h200.sh tp       # nvidia-h200-x2: --tp 1 vs the plain engine, 27B and 80B-A3B at --tp 2
 #   bash packaging/bench/h200.sh turns    # multi-turn TTFT on the 27B shape
 #   bash packaging/bench/h200.sh demo     # the demo model: greedy and sampled speed, precision report
@@ -26,14 +27,20 @@ speed)
 profile)
   timeout 150 python3 packaging/bench/profile_step.py --random-weights qwen3.5-27b --compile --json "$OUT/profile27b.json" 2>&1 | tail -30
   ;;
+ops)
+  timeout 120 python3 packaging/bench/decode_ops.py 2>&1 | grep -E "^(attn|conv)" | tee "$OUT/decode_ops.txt"
+  ;;
 distill)  # the demo model's MTP head, self-distilled from its frozen trunk (packaging/demo_model/distill.py)
   # engine/assets/demo/model.safetensors holds build/trained's trunk bit for bit (and the head distilled so far,
   # which this run continues from): carry only build/trained's config.json and train_log.json, and build/upload
   # (the 64 MiB limit on what travels)
   mkdir -p /tmp/trained && cp packaging/demo_model/build/trained/*.json /tmp/trained/
   ln -sf "$PWD/engine/assets/demo/model.safetensors" /tmp/trained/weights-0.safetensors
-  timeout 300 python3 packaging/demo_model/distill.py --model /tmp/trained \
-        --data packaging/demo_model/build/upload --out /tmp/distilled --minutes 4 2>&1 | tail -12
+  # more on-policy replies (100 s of generation) instead of more epochs over fewer, and more weight on the head's
+  # first step, whose top-1 agreement is depth 1's acceptance
+  timeout 330 python3 packaging/demo_model/distill.py --model /tmp/trained \
+        --data packaging/demo_model/build/upload --out /tmp/distilled --minutes 5.2 --gen-max-s 100 \
+        --gen-seqs 98304 --ce-weight 0.3 --chain-weight 0.4 --lr 3e-4 2>&1 | tail -12
   # only the head changed: bring back its tensors and the logs (the trunk is build/trained's, bit for bit)
   cp /tmp/distilled/distill_log.json /tmp/distilled/distill.csv "$OUT/"
   python3 -c "import glob,safetensors.torch as st; st.save_file({k: v for f in glob.glob('/tmp/distilled/weights-*.safetensors') for k, v in st.load_file(f).items() if k.startswith('mtp.')}, '$OUT/mtp_distilled.safetensors')"
