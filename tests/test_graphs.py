@@ -6,6 +6,7 @@ certifies real capture on a GPU."""
 from pathlib import Path
 
 import pytest
+import torch
 
 import engine
 from engine import GenerationSettings, load_engine
@@ -100,3 +101,29 @@ def test_a_failed_decode_capture_leaves_plain_decoding_on_the_verify_graph(ckpt,
     assert graphs.trunk.graphs is not None  # the verify graphs still run
     reasons = [f.reason for f in graphs.fallbacks(GenerationSettings(), None) if f.feature == "cuda_graphs"]
     assert len(reasons) == 1 and "verifies one token" in reasons[0]
+
+
+def test_plain_steps_before_a_live_depth_change_feed_the_head_what_eager_steps_do():
+    """At depth 0 the head still observes each step's hidden state (for a later depth change); replayed graphs
+    overwrite their static outputs, so what it keeps must be a copy: the head's drafts after the change, and so
+    the acceptance, must be those of eager steps."""
+    from engine import DecodeControl
+    from engine.events import Tokens
+
+    def run(engine):
+        control = DecodeControl(0)
+        prompt = engine.encode_chat([{"role": "user", "content": "What is a dictionary in Python?"}])
+        seen, fin = 0, None
+        for ev in engine.generate(prompt, GenerationSettings(max_new_tokens=48, ignore_eos=True), control=control):
+            if isinstance(ev, Tokens):
+                seen += len(ev.token_ids)
+                if seen >= 12:
+                    control.depth = 3
+            fin = ev
+        mtp = engine.mtp_drafter
+        return fin.stats["per_position_counts"], mtp.cache.k[:, :, : mtp.covered].clone()
+
+    eager, graphs = run(load_engine(DEMO)), run(load_engine(DEMO, cuda_graphs=True))
+    assert eager[0] and eager[0][0][1] > 0
+    assert eager[1].shape == graphs[1].shape and torch.allclose(eager[1], graphs[1], atol=1e-5)
+    assert graphs[0] == eager[0]
