@@ -106,13 +106,17 @@ def fla_chunk(q, k, v, g, beta, state):
 IMPLEMENTATIONS = {"torch": (torch_recurrent, torch_chunk), "fla": (fla_recurrent, fla_chunk)}
 
 
-@torch.library.custom_op("mtpchat::gdn", mutates_args=())
-def gdn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           state: torch.Tensor, impl: str, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def run_gdn(q, k, v, g, beta, state, impl: str, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, final = IMPLEMENTATIONS[impl][int(chunked)](q, k, v, g, beta, state)
     # fresh tensors (no input aliasing, as custom ops require), contiguous whatever the kernel returned: compiled
     # code trusts the fake's strides below (a mismatch failed every verify width > 1 on the H200)
     return out.contiguous(), final.contiguous()
+
+
+@torch.library.custom_op("mtpchat::gdn", mutates_args=())
+def gdn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           state: torch.Tensor, impl: str, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return run_gdn(q, k, v, g, beta, state, impl, chunked)
 
 
 @gdn_op.register_fake
@@ -140,7 +144,10 @@ class Kernel:
     chunked: bool
 
     def __call__(self, q, k, v, g, beta, state):
-        return gdn_op(q, k, v, g, beta, state, self.impl, self.chunked)
+        if torch.compiler.is_compiling():  # the op is the compile boundary
+            return gdn_op(q, k, v, g, beta, state, self.impl, self.chunked)
+        # eager calls skip the custom op's dispatch: about 135 us a call on this CPU, 10% of the demo model's step
+        return run_gdn(q, k, v, g, beta, state, self.impl, self.chunked)
 
 
 @dataclass
