@@ -52,3 +52,32 @@ def test_oom_while_decoding_lowers_depth_once_then_errors(engines, monkeypatch):
     with pytest.raises(EngineError, match="out of memory while decoding"):
         for _ in engine.generate(prompt, settings):
             pass
+
+
+def test_oom_after_an_in_place_decoding_step_is_not_retried(ckpt, engines, monkeypatch):
+    """Plain decoding's graph step writes the state in place, so a cycle that fails after it cannot be retried
+    from the last committed state (that would process the token twice): the request fails with a clear error,
+    the state is dropped, and the next request decodes exactly."""
+    from engine import load_engine
+
+    engine = load_engine(str(ckpt("next")), cuda_graphs=True)  # on the CPU a re-run stands in for each graph
+    prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    settings = GenerationSettings(max_new_tokens=12, depth=0, ignore_eos=True)
+    plain = [t for e in engines("next").generate(prompt, settings) if isinstance(e, Tokens) for t in e.token_ids]
+    calls = {"n": 0}
+    observe = engine.mtp_drafter.observe
+
+    def flaky(hidden):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the prefill, then the third plain step
+            oom()
+        observe(hidden)
+
+    monkeypatch.setattr(engine.mtp_drafter, "observe", flaky)
+    with pytest.raises(RuntimeError, match="out of memory after a decoding step"):
+        for _ in engine.generate(prompt, settings):
+            pass
+    assert engine.caches.processed == 0  # dropped, cleanly
+    monkeypatch.setattr(engine.mtp_drafter, "observe", observe)
+    out = [t for e in engine.generate(prompt, settings) if isinstance(e, Tokens) for t in e.token_ids]
+    assert out == plain and engine.diagnostics()["compile"]["cuda_graphs"]["decode"]["replays"]["1"] > 5
