@@ -30,6 +30,16 @@ def family_of(name: str) -> str:
     return name[:90]
 
 
+# cuBLAS / cuBLASLt GEMM kernels (H100 / H200 "nvjet", older "gemm" / "cutlass" / "xmma") and split-K's reduction
+MATMUL = re.compile(r"nvjet|gemm|cutlass|xmma|splitKreduce", re.IGNORECASE)
+
+
+def matmul_share(kernels: dict[str, list[float]]) -> tuple[float, float]:
+    """(GPU ms in matmul kernels, in everything else) over kernels {family: [calls, ms]}."""
+    mm = sum(ms for name, (_, ms) in kernels.items() if MATMUL.search(name))
+    return mm, sum(ms for _, ms in kernels.values()) - mm
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--random-weights", default="qwen3.5-27b")
@@ -80,11 +90,14 @@ def main(argv=None) -> int:
     count = sum(v[0] for v in kernels.values()) / args.steps
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]
     wbytes = weight_bytes_per_token(trunk)
+    matmul_ms, other_ms = (x / args.steps for x in matmul_share(kernels))
     res = {
         "model": f"random:{args.random_weights}" + (f" ({args.layers} layers)" if args.layers else ""),
         "gpu": torch.cuda.get_device_name(), "compiled": trunk.compiled_block is not None,
         "eager_step_ms": eager_ms, "graph_replay_ms": replay_ms, "kernel_ms_per_step": total_ms,
         "kernels_per_step": count, "weight_bytes_per_token": wbytes,
+        "matmul_ms_per_step": matmul_ms, "other_kernel_ms_per_step": other_ms,
+        "matmul_bytes_per_s": wbytes / (matmul_ms / 1e3) if matmul_ms else None,
         "replay_fraction_of_4_8TBps": wbytes / (replay_ms / 1e3) / 4.8e12,
         "profiled": "decode graph replay", "graphs": runner.report(),
         "top_kernels": [{"kernel": k, "calls_per_step": v[0] / args.steps, "ms_per_step": v[1] / args.steps}
@@ -92,6 +105,8 @@ def main(argv=None) -> int:
     }
     print(f"eager step {eager_ms:.2f} ms, graph replay {replay_ms:.2f} ms, kernels {total_ms:.2f} ms in "
           f"{count:.0f} launches; replay reaches {res['replay_fraction_of_4_8TBps']:.1%} of 4.8 TB/s")
+    print(f"matmuls {matmul_ms:.2f} ms ({wbytes / max(matmul_ms, 1e-9) / 1e9:.2f} TB/s), other kernels "
+          f"{other_ms:.2f} ms, launch gaps {replay_ms - total_ms:.2f} ms")
     for row in res["top_kernels"]:
         print(f"  {row['ms_per_step']:8.3f} ms  {row['calls_per_step']:6.1f}x  {row['kernel']}")
     if args.json:
