@@ -1,6 +1,6 @@
-"""CUDA graphs for the decode loop's fixed-shape steps: the trunk's verify pass (plain decoding is its width-1
-case), the GDN replay of commit, and the MTP head's draft and refresh steps. One graph per width over static
-buffers; the position lives on the device, so one graph serves every position.
+"""CUDA graphs for the decode loop's fixed-shape steps: the trunk's verify pass, plain decoding's in-place step
+(GraphRunner.decode), the GDN replay of commit, and the MTP head's draft and refresh steps. One graph per width
+over static buffers; the position lives on the device, so one graph serves every position.
 
 A verify pass reads the committed state and writes only the stash and KV rows past the committed length, so a
 replay is always safe; graphs are re-captured when a cache or the stash is reallocated (the key changes).

@@ -170,9 +170,11 @@ def select_backends(device: torch.device) -> Backends:
     else:
         b.choice["gdn_chunk"] = ("torch", f"chunked torch reference: {reason}")
         b.choice["gdn_recurrent"] = ("torch", f"recurrent torch reference: {reason}")
-    b.choice["conv1d"] = ("torch", "depthwise F.conv1d over the conv-input window (stashed for rollback)")
+    b.choice["conv1d"] = ("torch", "short conv over the conv-input window (stashed for rollback): products summed "
+                                   "over the kernel for up to 64 tokens, depthwise F.conv1d for longer prefills")
     b.choice["gated_rmsnorm"] = ("torch", "module's own gated RMSNorm")
-    b.choice["attention"] = ("torch-sdpa", "torch scaled_dot_product_attention (dispatches flash / efficient / math)")
+    b.choice["attention"] = ("torch-sdpa", "torch scaled_dot_product_attention (dispatches flash / efficient / "
+                                           "math); inside CUDA graphs matmuls + softmax over the whole KV cache")
     return b
 
 
