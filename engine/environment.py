@@ -349,7 +349,8 @@ def backend_plan(device: DeviceInfo | None) -> dict[str, dict]:
         else:
             plan[op] = {"backend": "torch", "reason": f"torch reference kernel: FLA unusable ({why})"}
     on_cuda = device is not None and device.kind == "cuda"
-    sdpa = "flash / memory-efficient backends on CUDA" if on_cuda else "math backend on CPU"
+    sdpa = ("flash / memory-efficient backends on CUDA; decode steps inside CUDA graphs use matmuls + softmax"
+            if on_cuda else "math backend on CPU")
     plan["attention"] = {"backend": "torch", "reason": f"torch scaled_dot_product_attention ({sdpa})"}
     plan["moe"] = {"backend": "torch", "reason": "device-side routing; decode widths as grouped GEMMs over "
                    "expert-sorted rows on CUDA (after a self-check at load), row-wise batched matmuls elsewhere"}
