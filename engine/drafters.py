@@ -50,9 +50,7 @@ class MTPDrafter:
         self.last = None  # the latest catch-up's (logits, hidden) at the last verified position
 
     def observe(self, hidden: torch.Tensor) -> None:
-        # a copy: a graph's output is overwritten by its next replay, and at depth 0 (or in a reuse snapshot)
-        # pending hiddens outlive many replays before the head runs over them
-        self.pending.append(hidden.clone())
+        self.pending.append(hidden)
 
     def rollback(self) -> None:
         """Forget speculative entries; keep what was verified (pending hiddens stay valid)."""

@@ -101,7 +101,9 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
                 caches.commit(m, trunk.backends, trunk.graphs)
             if drafter is not None:
                 drafter.rollback()
-                drafter.observe(hidden[:, : m + 1])
+                # a copy: with CUDA graphs `hidden` is a static output the next replay overwrites, and at depth 0
+                # (or in a reuse snapshot) the drafter holds it across many replays before the head runs over it
+                drafter.observe(hidden[:, : m + 1].clone())
             req.append(torch.cat([drafts[:m], targets[m : m + 1]]))  # device slices: no host-to-device copy
     except BaseException as e:
         caches.abort()
