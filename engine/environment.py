@@ -339,6 +339,35 @@ def _fla_self_check(index: int) -> tuple[bool, str]:
     return True, f"FLA self-check passed (max abs error {err:.1e})"
 
 
+@functools.lru_cache(maxsize=None)
+def fla_inplace_status(index: int) -> tuple[bool, str]:
+    """Whether FLA's recurrent kernel, launched directly with its final state aliasing its initial state
+    (kernels.fla_recurrent_inplace), matches the torch reference here: a check of the launch's arguments
+    against the installed FLA version as much as of the aliasing. Decoding copies the state when it fails."""
+    try:
+        import torch
+
+        from .kernels import fla_recurrent_inplace, torch_recurrent
+
+        dev = torch.device("cuda", index)
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        B, T, H, HV, K, V = 2, 3, 2, 4, 16, 32  # a batch (commit's replay runs the layers as one) and T > 1
+        q, k = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
+        v = torch.randn(B, T, HV, V, generator=gen)
+        g, beta = -torch.rand(B, T, HV, generator=gen), torch.rand(B, T, HV, generator=gen)
+        h0 = torch.randn(B, HV, K, V, generator=gen) * 0.1
+        ref_o, ref_h = torch_recurrent(q, k, v, g, beta, h0)
+        state = h0.to(dev)
+        o = fla_recurrent_inplace(*(x.to(dev) for x in (q, k, v, g, beta)), state)
+        torch.cuda.synchronize(dev)
+        err = max((o.float().cpu() - ref_o).abs().max().item(), (state.cpu() - ref_h).abs().max().item())
+    except Exception as e:
+        return False, f"in-place launch failed: {type(e).__name__}: {str(e)[:160]}"
+    if not err < 1e-3:
+        return False, f"in-place launch mismatch: max abs error {err:.3g} vs torch reference"
+    return True, f"in-place launch matches the torch reference (max abs error {err:.1e})"
+
+
 def backend_plan(device: DeviceInfo | None) -> dict[str, dict]:
     """The backend each op would use on `device` and why: FLA for the GDN ops when usable, else torch."""
     usable, why = fla_status(device)

@@ -92,9 +92,8 @@ def prefill(mixer, x, conv, recurrent, backends) -> torch.Tensor:
     window = torch.cat([conv.unsqueeze(0), mixed.to(conv.dtype)], -1)
     q, k, v, g, beta = kernel_inputs(mixer, window, T, b, a)
     kernel = backends.gdn_chunk if T > 1 else backends.gdn_recurrent
-    core, final = kernel(q, k, v, g, beta, recurrent)
+    core = kernel.update(q, k, v, g, beta, recurrent)
     store_conv_state(conv, window)
-    recurrent.copy_(final)
     return output(mixer, core, z)
 
 
@@ -119,10 +118,10 @@ def replay(recurrent: torch.Tensor, stash: VerifyStash, n: int, backends) -> tor
     """recurrent <- the state after the first n stashed tokens, replayed from recurrent (the committed state).
     All GDN layers share one shape, dtype and device (they live in one tensor): one grouped kernel call, with
     the layers as the batch dimension."""
-    _, s = backends.gdn_recurrent(
+    backends.gdn_recurrent.update(
         stash.q[:, :n], stash.k[:, :n], stash.v[:, :n], stash.g[:, :n], stash.beta[:, :n], recurrent
     )
-    return recurrent.copy_(s)
+    return recurrent
 
 
 def commit(state: GDNState, stash: VerifyStash, m: int, backends, replay=replay) -> None:

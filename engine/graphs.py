@@ -203,14 +203,15 @@ class GraphRunner:
     def decode(self, tokens: torch.Tensor, pos: int, caches):
         """Plain decoding's step (one token, nothing to reject) as one graph that writes the GDN state in place and
         yields the logits: no stash, no commit copy of the state, no separate lm_head launch. Returns
-        (hidden, logits), static: read them before the next replay. None if it cannot be captured (the caller
+        (hidden, logits, argmax), static: read them before the next replay. None if it cannot be captured (the caller
         then verifies and commits, as for a draft)."""
         trunk, state = self.trunk, caches.gdn
         key = (caches.kv.k.data_ptr(), state.recurrent.data_ptr())
 
         def step(tokens, pos):
             hidden = trunk.forward(tokens, pos, caches, verify=False)
-            return hidden, trunk.logits(hidden[0])
+            logits = trunk.logits(hidden[0])
+            return hidden, logits, logits.argmax(-1)  # greedy decoding's token, without a launch after the replay
 
         def warmup(tokens, pos):  # the same kernels, the state put back: warming up must not advance it
             saved = state.conv.clone(), state.recurrent.clone()

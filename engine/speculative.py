@@ -71,19 +71,20 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
     try:
         drafts, q = drafter.propose(seq, k, timer, req) if k > 0 else (seq[:0], None)
         with timer.phase("verify"):
-            inp = torch.cat([seq[-1:], drafts]).unsqueeze(0)
+            inp = (torch.cat([seq[-1:], drafts]) if k else seq[-1:]).unsqueeze(0)
             caches.kv.reserve(k + 1)
             if k == 0 and trunk.graphs is not None:
                 stepped = trunk.graphs.decode(inp, caches.processed, caches)
             if stepped is not None:
                 caches.advance(1)  # the replay wrote the state (all or nothing): count t_n as processed now
-                hidden, logits = stepped
+                hidden, logits, argmax = stepped
             else:
                 hidden = trunk.forward(inp, caches.processed, caches, verify=True)
                 logits = trunk.logits(hidden[0])
+                argmax = None
         with timer.phase("accept"):
             if req.sampling.greedy:  # the longest prefix where the target's argmax equals the draft
-                targets = logits.argmax(-1)
+                targets = logits.argmax(-1) if argmax is None else argmax
                 m = (targets[:k] == drafts).int().cumprod(0).sum().view(1)
             else:
                 m, targets = sampling.verify_sampled(logits, drafts, q, req.sampling, req.generator)

@@ -43,6 +43,9 @@ def test_gdn_op_fake_matches_the_kernel_on_strided_inputs(chunked):
     g, beta, s = -torch.rand(1, T, H), torch.rand(1, T, H), torch.zeros(1, H, D, D)
     torch.library.opcheck(kernels.gdn_op, (q, k, v, g, beta, s, "torch", chunked),
                           test_utils=("test_schema", "test_faketensor"))
+    # the in-place form (prefill, plain decoding, commit's replay): declared mutation of the state, fresh output
+    torch.library.opcheck(kernels.gdn_update_op, (q, k, v, g, beta, s, "torch", chunked, False),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_verify_and_prefill_compile_fullgraph(engine):

@@ -31,7 +31,7 @@ speed2)  # the MTP rows at a real shape (random weights: their acceptance is mea
         --acceptance 1.0,0 --max-new-tokens 64 --repeat 2 --out "$OUT/bench80b_a3b_12layers_h200.json"
   ;;
 profile)
-  timeout 150 python3 packaging/bench/profile_step.py --random-weights qwen3.5-27b --compile --json "$OUT/profile27b.json" 2>&1 | tail -30
+  timeout 150 python3 packaging/bench/profile_step.py --random-weights qwen3.5-27b --compile --json "$OUT/profile27b.json" --host 256 2>&1 | grep -v Warn | tail -90
   ;;
 ops)
   timeout 120 python3 packaging/bench/decode_ops.py 2>&1 | grep -E "^(attn|conv)" | tee "$OUT/decode_ops.txt"

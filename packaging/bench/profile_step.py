@@ -3,6 +3,9 @@ state written in place: GraphRunner.decode), grouped by name.
 
     python packaging/bench/profile_step.py --random-weights qwen3.5-27b [--layers N] [--compile] [--json OUT]
 
+With --host N: also N greedy plain tokens through Engine.generate (the whole decode loop), their wall time per
+token against the replay's (what the host adds while the GPU waits), and a cProfile of that loop.
+
 Times the step eagerly and as a CUDA graph replay (with --compile: the compiled layers inside the graph, what
 `--compile` decoding runs), and profiles the replay with torch.profiler: kernel count and GPU time per kernel
 family, the kernels inside the graph included. The gap between the replay and the sum of its kernel times is
@@ -40,6 +43,86 @@ def matmul_share(kernels: dict[str, list[float]]) -> tuple[float, float]:
     return mm, sum(ms for _, ms in kernels.values()) - mm
 
 
+def host_profile(engine, n: int, replay_ms: float) -> dict:
+    """Wall time per token of plain greedy decoding through Engine.generate, and the loop's cProfile (the wait
+    for the GPU shows up in the one host sync; everything else is host time the GPU may wait for)."""
+    import cProfile
+    import io
+    import pstats
+
+    from engine.api import GenerationSettings
+
+    def run(tokens=n):
+        settings = GenerationSettings(max_new_tokens=tokens, depth=0, ignore_eos=True, reuse=False)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in engine.generate(list(range(1, 33)), settings):
+            pass
+        return time.perf_counter() - t
+
+    run()  # captures
+    # the slope between a long and a short request: per token, without the prefill and the first token
+    per_token = (run(n) - run(n // 4)) / (n - n // 4) * 1e3
+    sync = synced_replays(engine)
+    gaps = idle_gaps(run)
+    prof = cProfile.Profile()
+    prof.enable()
+    run()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(22)
+    print(f"generate: {per_token:.3f} ms per token, replay {replay_ms:.3f} ms: the decode loop adds "
+          f"{per_token - replay_ms:.3f} ms")
+    print(text.getvalue()[-6000:])
+    return {"generate_ms_per_token": per_token, "tokens": n, "synced_replay_ms": sync, "idle_gaps": gaps,
+            "cprofile_top": text.getvalue()[-6000:]}
+
+
+def synced_replays(engine, n: int = 64) -> dict:
+    """ms per decode-graph replay followed by a host sync: the launch the GPU waits for once per token."""
+    runner, caches = engine.graph_runner, engine.caches
+    tok = torch.tensor([[7]], device="cuda")
+    out = {}
+    with torch.inference_mode():
+        for name, wait in (("synchronize", torch.cuda.synchronize),
+                           ("tolist", lambda: runner.decodes.graphs[1][2][2].tolist())):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(n):
+                runner.decode(tok, caches.processed, caches)
+                wait()
+            out[name] = (time.perf_counter() - t) / n * 1e3
+            print(f"replay + {name}: {out[name]:.3f} ms")
+    return out
+
+
+def idle_gaps(run, tokens: int = 24) -> list:
+    """The GPU's idle gaps between decode steps in a short request, each with the host-side ops (aten ops, CUDA
+    runtime calls) that ran while it waited: what the decode loop's overhead is made of."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run(tokens)
+    events = prof.events()
+    busy = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == cuda)
+    gaps, end = [], busy[0][1]
+    for a, b in busy[1:]:
+        if a - end > 20:  # us
+            gaps.append((end, a))
+        end = max(end, b)
+    gaps = sorted(gaps[-(tokens // 2):], key=lambda g: g[1] - g[0])  # steady state: the later tokens
+    host = [e for e in events if e.device_type == cpu and e.cpu_parent is None]
+    out = []
+    for a, b in gaps[len(gaps) // 2:][:3]:  # the median gap and the two after it
+        ops = [(round(e.time_range.start - a), round(e.time_range.end - e.time_range.start), e.name)
+               for e in host if e.time_range.end > a and e.time_range.start < b]
+        out.append({"gap_us": round(b - a), "host_ops": ops})
+        print(f"GPU idle {b - a:.0f} us between steps; host ops (start us, dur us, name):")
+        for op in ops:
+            print(f"   {op[0]:6d} {op[1]:6d}  {op[2][:80]}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--random-weights", default="qwen3.5-27b")
@@ -47,6 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--host", type=int, default=0, metavar="N")
     args = ap.parse_args(argv)
     engine = Engine(random_model(args.random_weights, args.layers, "cuda", "bfloat16"), None, set(),
                     cuda_graphs=True, compile=args.compile)
@@ -109,6 +193,8 @@ def main(argv=None) -> int:
           f"{other_ms:.2f} ms, launch gaps {replay_ms - total_ms:.2f} ms")
     for row in res["top_kernels"]:
         print(f"  {row['ms_per_step']:8.3f} ms  {row['calls_per_step']:6.1f}x  {row['kernel']}")
+    if args.host:
+        res["host"] = host_profile(engine, args.host, replay_ms)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
