@@ -110,20 +110,47 @@ def test_plain_steps_before_a_live_depth_change_feed_the_head_what_eager_steps_d
     from engine import DecodeControl
     from engine.events import Tokens
 
-    def run(engine):
+    def run(engine, change_at):
         control = DecodeControl(0)
         prompt = engine.encode_chat([{"role": "user", "content": "What is a dictionary in Python?"}])
         seen, fin = 0, None
         for ev in engine.generate(prompt, GenerationSettings(max_new_tokens=48, ignore_eos=True), control=control):
             if isinstance(ev, Tokens):
                 seen += len(ev.token_ids)
-                if seen >= 12:
+                if seen >= change_at:
                     control.depth = 3
             fin = ev
         mtp = engine.mtp_drafter
         return fin.stats["per_position_counts"], mtp.cache.k[:, :, : mtp.covered].clone()
 
-    eager, graphs = run(load_engine(DEMO)), run(load_engine(DEMO, cuda_graphs=True))
+    # with graphs, greedy plain decoding runs one step ahead (plain_ahead): a depth change applies a token later
+    eager, graphs = run(load_engine(DEMO), 13), run(load_engine(DEMO, cuda_graphs=True), 12)
     assert eager[0] and eager[0][0][1] > 0
     assert eager[1].shape == graphs[1].shape and torch.allclose(eager[1], graphs[1], atol=1e-5)
     assert graphs[0] == eager[0]
+
+
+def test_plain_decoding_one_step_ahead_is_exact_and_the_next_turn_continues_from_its_extra_step():
+    """Greedy plain decoding with graphs launches the step for each token before reading it (plain_ahead). The
+    tokens are those of eager decoding; after an EOS, the step already run leaves every committed token
+    processed, and the next turn continues from there with the same tokens as a fresh engine."""
+    from engine.events import Started, Tokens
+
+    def turn(engine, messages):
+        prompt = engine.encode_chat(messages)
+        events = list(engine.generate(prompt, GenerationSettings(max_new_tokens=96, depth=0)))
+        toks = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+        return prompt, toks, events[0].reused_tokens, events[-1]
+
+    ahead, eager, fresh = load_engine(DEMO, cuda_graphs=True), load_engine(DEMO), load_engine(DEMO)
+    first = [{"role": "user", "content": "What is a dictionary in Python?"}]
+    prompt, toks, _, fin = turn(ahead, first)
+    assert fin.reason == "eos" and (prompt, toks) == turn(eager, first)[:2]
+    assert ahead.caches.processed == len(prompt) + len(toks)  # the EOS was processed by the step ahead
+    assert eager.caches.processed == len(prompt) + len(toks) - 1
+    assert ahead.graph_runner.decodes.replays[1] == len(toks)  # one step per token after the first, plus one
+    second = first + [{"role": "assistant", "content": ahead.tokenizer.decode(toks[:-1])},
+                      {"role": "user", "content": "And a list?"}]
+    prompt2, toks2, reused, _ = turn(ahead, second)
+    assert reused == len(prompt) + len(toks)  # everything the caches hold, the EOS included
+    assert toks2 == turn(fresh, second)[1]
