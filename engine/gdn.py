@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .cache import GDNState
 from .fusion import linears
-from .kernels import store_conv_state
+from .kernels import split_qkv, store_conv_state
 
 
 class VerifyStash:
@@ -62,21 +62,21 @@ def project(mixer, x: torch.Tensor):
 SHORT_CONV_AS_PRODUCTS = 64
 
 
+def heads(mixer) -> list[int]:
+    return [mixer.num_k_heads, mixer.head_k_dim, mixer.num_v_heads, mixer.head_v_dim]
+
+
 def kernel_inputs(mixer, window: torch.Tensor, T: int, b, a):
-    """Short causal conv over [K-1 past inputs | T new inputs] -> q, k, v, g, beta for the recurrence."""
+    """Short causal conv over [K-1 past inputs | T new inputs] -> qkv [1, T, C] (split_qkv), g, beta."""
     w, bias = mixer.conv1d.weight, mixer.conv1d.bias  # [C, 1, K]
     if T <= SHORT_CONV_AS_PRODUCTS:
         conv = (window.unfold(-1, w.shape[-1], 1) * w[:, None, 0]).sum(-1)
         conv = F.silu(conv if bias is None else conv + bias[:, None])
     else:
         conv = F.silu(F.conv1d(window, w, bias, groups=w.shape[0]))  # [1, C, T]
-    q, k, v = torch.split(conv.transpose(1, 2), [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
-    q = q.reshape(1, T, -1, mixer.head_k_dim)
-    k = k.reshape(1, T, -1, mixer.head_k_dim)
-    v = v.reshape(1, T, -1, mixer.head_v_dim)
     beta = b.sigmoid()
     g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
-    return q, k, v, g, beta
+    return conv.transpose(1, 2), g, beta
 
 
 def output(mixer, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -90,9 +90,9 @@ def prefill(mixer, x, conv, recurrent, backends) -> torch.Tensor:
     T = x.shape[1]
     mixed, z, b, a = project(mixer, x)
     window = torch.cat([conv.unsqueeze(0), mixed.to(conv.dtype)], -1)
-    q, k, v, g, beta = kernel_inputs(mixer, window, T, b, a)
+    qkv, g, beta = kernel_inputs(mixer, window, T, b, a)
     kernel = backends.gdn_chunk if T > 1 else backends.gdn_recurrent
-    core = kernel.update(q, k, v, g, beta, recurrent)
+    core = kernel.update(qkv, g, beta, recurrent, heads(mixer))
     store_conv_state(conv, window)
     return output(mixer, core, z)
 
@@ -106,7 +106,8 @@ def verify(mixer, x, conv, recurrent, backends, rows: tuple) -> torch.Tensor:
     window = swindow[:, : K1 + T]
     window[:, :K1] = conv
     window[:, K1:] = mixed[0]
-    q, k, v, g, beta = kernel_inputs(mixer, window.unsqueeze(0), T, b, a)
+    qkv, g, beta = kernel_inputs(mixer, window.unsqueeze(0), T, b, a)
+    q, k, v = split_qkv(qkv, heads(mixer))
     for buf, t in ((sq, q), (sk, k), (sv, v), (sg, g), (sbeta, beta)):
         buf[:T] = t[0]
     core, final = backends.gdn_recurrent(q, k, v, g, beta, recurrent)
@@ -118,7 +119,7 @@ def replay(recurrent: torch.Tensor, stash: VerifyStash, n: int, backends) -> tor
     """recurrent <- the state after the first n stashed tokens, replayed from recurrent (the committed state).
     All GDN layers share one shape, dtype and device (they live in one tensor): one grouped kernel call, with
     the layers as the batch dimension."""
-    backends.gdn_recurrent.update(
+    backends.gdn_recurrent.update_rows(
         stash.q[:, :n], stash.k[:, :n], stash.v[:, :n], stash.g[:, :n], stash.beta[:, :n], recurrent
     )
     return recurrent

@@ -44,8 +44,8 @@ def test_gdn_op_fake_matches_the_kernel_on_strided_inputs(chunked):
     torch.library.opcheck(kernels.gdn_op, (q, k, v, g, beta, s, "torch", chunked),
                           test_utils=("test_schema", "test_faketensor"))
     # the in-place form (prefill, plain decoding, commit's replay): declared mutation of the state, fresh output
-    torch.library.opcheck(kernels.gdn_update_op, (q, k, v, g, beta, s, "torch", chunked, False),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(kernels.gdn_update_op, (conv.transpose(1, 2), g, beta, s, [H, D, H, D], "torch",
+                                                  chunked, False), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_verify_and_prefill_compile_fullgraph(engine):
