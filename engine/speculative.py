@@ -80,15 +80,16 @@ def plain_step(trunk, caches, drafter, req: Request) -> torch.Tensor | None:
     return argmax.clone()
 
 
-def read_token(token: torch.Tensor, req: Request) -> int:
-    """The token's value, waiting only for the work queued before this call (not for a step launched after)."""
-    if not token.is_cuda:
-        return int(token[0])
+def start_read(token: torch.Tensor, req: Request):
+    """Copy the token to the host behind the work queued so far; returns the event to wait on (None on the CPU,
+    where the copy is done). Waiting on it does not wait for a step launched afterwards."""
     if req.host is None:
-        req.host = torch.empty(1, dtype=torch.long, pin_memory=True), torch.cuda.Event()
+        cuda = token.is_cuda
+        req.host = torch.empty(1, dtype=torch.long, pin_memory=cuda), torch.cuda.Event() if cuda else None
     buf, ready = req.host
     buf.copy_(token, non_blocking=True)
-    ready.record()
+    if ready is not None:
+        ready.record()
     return ready
 
 
@@ -105,15 +106,13 @@ def plain_ahead(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTi
             if token is None and (token := plain_step(trunk, caches, drafter, req)) is None:
                 return None
             req.append(token)  # committed: greedy plain decoding keeps every token it makes
-            ready = read_token(token, req)
+            ready = start_read(token, req)
             if depth == 0 and len(req.generated) + 1 < req.max_new:
                 req.ahead = plain_step(trunk, caches, drafter, req)  # processes the token just appended
         with timer.phase("accept"):
-            if isinstance(ready, int):
-                tok = ready
-            else:
+            if ready is not None:
                 ready.synchronize()
-                tok = int(req.host[0][0])
+            tok = int(req.host[0][0])
     except BaseException as e:
         caches.abort()
         if drafter is not None:
