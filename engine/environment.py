@@ -309,29 +309,36 @@ def fla_status(device: DeviceInfo | None) -> tuple[bool, str]:
     return _fla_self_check(device.index or 0)
 
 
+def _recurrent_error(index: int, kernel, B: int, T: int, seed: int) -> float:
+    """Max abs error of kernel(q, k, v, g, beta, h0) -> (output, final state) on CUDA device `index` against the
+    engine's torch reference, on a small random case with grouped value heads (HV = 2 H, as in the released
+    models: the head mapping is checked too)."""
+    import torch
+    import torch.nn.functional as F
+
+    from .kernels import torch_recurrent
+
+    dev = torch.device("cuda", index)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    H, HV, K, V = 2, 4, 16, 16
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    g = F.logsigmoid(torch.randn(B, T, HV, generator=gen))
+    beta = torch.rand(B, T, HV, generator=gen)
+    h0 = torch.randn(B, HV, K, V, generator=gen) * 0.1
+    ref_o, ref_h = torch_recurrent(q, k, v, g, beta, h0)
+    o, ht = kernel(*(x.to(dev) for x in (q, k, v, g, beta, h0)))
+    torch.cuda.synchronize(dev)
+    return max((o.float().cpu() - ref_o).abs().max().item(), (ht.float().cpu() - ref_h).abs().max().item())
+
+
 @functools.lru_cache(maxsize=None)
 def _fla_self_check(index: int) -> tuple[bool, str]:
     try:
-        import torch
-        import torch.nn.functional as F
+        from .kernels import fla_recurrent
 
-        from .kernels import fla_recurrent, torch_recurrent
-
-        dev = torch.device("cuda", index)
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        # grouped value heads (HV = 2 H, as in the released models): the head mapping is checked too
-        B, T, H, HV, K, V = 1, 5, 2, 4, 16, 16
-        q = torch.randn(B, T, H, K, generator=gen)
-        k = torch.randn(B, T, H, K, generator=gen)
-        v = torch.randn(B, T, HV, V, generator=gen)
-        g = F.logsigmoid(torch.randn(B, T, HV, generator=gen))
-        beta = torch.rand(B, T, HV, generator=gen)
-        h0 = torch.randn(B, HV, K, V, generator=gen) * 0.1
-        # the engine's own torch kernel against the FLA call the engine makes
-        ref_o, ref_h = torch_recurrent(q, k, v, g, beta, h0)
-        o, ht = fla_recurrent(*(x.to(dev) for x in (q, k, v, g, beta, h0)))
-        torch.cuda.synchronize(dev)
-        err = max((o.float().cpu() - ref_o).abs().max().item(), (ht.float().cpu() - ref_h).abs().max().item())
+        err = _recurrent_error(index, fla_recurrent, B=1, T=5, seed=0)  # the FLA call the engine makes
     except Exception as e:
         return False, f"FLA self-check failed: {type(e).__name__}: {e}"
     if not err < 1e-3:  # also catches NaN
@@ -345,22 +352,13 @@ def fla_inplace_status(index: int) -> tuple[bool, str]:
     (kernels.fla_recurrent_inplace), matches the torch reference here: a check of the launch's arguments
     against the installed FLA version as much as of the aliasing. Decoding copies the state when it fails."""
     try:
-        import torch
+        from .kernels import fla_recurrent_inplace
 
-        from .kernels import fla_recurrent_inplace, torch_recurrent
+        def inplace(q, k, v, g, beta, state):
+            return fla_recurrent_inplace(q, k, v, g, beta, state), state
 
-        dev = torch.device("cuda", index)
-        gen = torch.Generator(device="cpu").manual_seed(1)
-        B, T, H, HV, K, V = 2, 3, 2, 4, 16, 32  # a batch (commit's replay runs the layers as one) and T > 1
-        q, k = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
-        v = torch.randn(B, T, HV, V, generator=gen)
-        g, beta = -torch.rand(B, T, HV, generator=gen), torch.rand(B, T, HV, generator=gen)
-        h0 = torch.randn(B, HV, K, V, generator=gen) * 0.1
-        ref_o, ref_h = torch_recurrent(q, k, v, g, beta, h0)
-        state = h0.to(dev)
-        o = fla_recurrent_inplace(*(x.to(dev) for x in (q, k, v, g, beta)), state)
-        torch.cuda.synchronize(dev)
-        err = max((o.float().cpu() - ref_o).abs().max().item(), (state.cpu() - ref_h).abs().max().item())
+        # a batch (commit's replay runs the layers as one) and T > 1
+        err = _recurrent_error(index, inplace, B=2, T=3, seed=1)
     except Exception as e:
         return False, f"in-place launch failed: {type(e).__name__}: {str(e)[:160]}"
     if not err < 1e-3:

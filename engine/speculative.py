@@ -65,6 +65,17 @@ def pick(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return sample(probabilities(logits, req.sampling), req.generator)
 
 
+def abandon(caches, drafter, e: BaseException, stepped: bool) -> None:
+    """Leave the committed state after an exception in a cycle (the caller re-raises e). After an in-place step
+    the caches hold t_n already, so an out-of-memory error cannot be retried: it becomes an error the caller
+    does not retry (it then drops the state, and the next request starts from zero)."""
+    caches.abort()
+    if drafter is not None:
+        drafter.rollback()
+    if stepped and isinstance(e, torch.OutOfMemoryError):
+        raise RuntimeError(f"out of memory after a decoding step: {str(e).splitlines()[0][:160]}") from e
+
+
 def plain_step(trunk, caches, drafter, req: Request) -> torch.Tensor | None:
     """Launch plain decoding's in-place graph step for the last committed token, read on the device. Returns its
     greedy token (a copy: the graph's outputs are static), or None when the step has no graph."""
@@ -114,11 +125,7 @@ def plain_ahead(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTi
                 ready.synchronize()
             tok = int(req.host[0][0])
     except BaseException as e:
-        caches.abort()
-        if drafter is not None:
-            drafter.rollback()
-        if isinstance(e, torch.OutOfMemoryError):  # see cycle(): a processed step cannot be retried
-            raise RuntimeError(f"out of memory after a decoding step: {str(e).splitlines()[0][:160]}") from e
+        abandon(caches, drafter, e, stepped=True)
         raise
     req.cycles += 1
     req.generated.append(tok)
@@ -148,14 +155,13 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
                 stepped = trunk.graphs.decode(inp, caches.processed, caches)
             if stepped is not None:
                 caches.advance(1)  # the replay wrote the state (all or nothing): count t_n as processed now
-                hidden, logits, argmax = stepped
+                hidden, logits, _ = stepped
             else:
                 hidden = trunk.forward(inp, caches.processed, caches, verify=True)
                 logits = trunk.logits(hidden[0])
-                argmax = None
         with timer.phase("accept"):
             if req.sampling.greedy:  # the longest prefix where the target's argmax equals the draft
-                targets = logits.argmax(-1) if argmax is None else argmax
+                targets = logits.argmax(-1)
                 m = (targets[:k] == drafts).int().cumprod(0).sum().view(1)
             else:
                 m, targets = sampling.verify_sampled(logits, drafts, q, req.sampling, req.generator)
@@ -178,13 +184,7 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
                 drafter.observe(hidden[:, : m + 1].clone())
             req.append(torch.cat([drafts[:m], targets[m : m + 1]]))  # device slices: no host-to-device copy
     except BaseException as e:
-        caches.abort()
-        if drafter is not None:
-            drafter.rollback()
-        if stepped is not None and isinstance(e, torch.OutOfMemoryError):
-            # the caches hold t_n already, so this cycle cannot be retried: not an error the caller may retry
-            # (it then drops the state, and the next request starts from zero)
-            raise RuntimeError(f"out of memory after a decoding step: {str(e).splitlines()[0][:160]}") from e
+        abandon(caches, drafter, e, stepped is not None)
         raise
     # An accepted draft that is the EOS ends the reply: it counts as accepted (its source is DRAFT), and the
     # drafts after it, past the reply's end, count neither way. (Counting the EOS draft as rejected, as m does
