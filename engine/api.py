@@ -116,6 +116,7 @@ class Engine:
             self.graph_runner = self.trunk.graphs = GraphRunner(self.trunk, compile=compile)
             if self.mtp_drafter is not None:
                 self.mtp_drafter.graphs = StepGraphs(self.trunk.device, group=self.trunk.group)
+                self.mtp_drafter.chains = StepGraphs(self.trunk.device, group=self.trunk.group)
         t = self.trunk
         self.info = ModelInfo(loaded.name, loaded.path, t.family.name, loaded.raw_config.get("model_type", ""),
                               loaded.mtp_layers, loaded.params, str(t.device), str(t.dtype).replace("torch.", ""))
@@ -141,7 +142,8 @@ class Engine:
 
     def fallbacks(self, settings: GenerationSettings, drafter) -> list[Fallback]:
         out = [f for f in self.loaded.fallbacks if f.feature != "speculation"]
-        for graphs in (self.graph_runner, getattr(self.mtp_drafter, "graphs", None)):
+        for graphs in (self.graph_runner, getattr(self.mtp_drafter, "graphs", None),
+                       getattr(self.mtp_drafter, "chains", None)):
             if graphs is not None and graphs.failure:
                 out.append(Fallback("cuda_graphs", f"{graphs.failure}: eager steps"))
         if self.graph_runner is not None and self.graph_runner.compile_failure:

@@ -66,5 +66,6 @@ def _compile_mode(engine) -> str:
 
 def _mtp_graphs(engine) -> dict:
     """{"mtp_cuda_graphs": report} when the MTP head's steps are graphs (or were meant to be); else nothing."""
-    graphs = getattr(engine.mtp_drafter, "graphs", None)
-    return {} if graphs is None else {"mtp_cuda_graphs": graphs.report()}
+    graphs, chains = (getattr(engine.mtp_drafter, name, None) for name in ("graphs", "chains"))
+    out = {} if graphs is None else {"mtp_cuda_graphs": graphs.report()}
+    return out if chains is None else {**out, "mtp_draft_chain_graphs": chains.report()}

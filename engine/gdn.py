@@ -115,25 +115,25 @@ def verify(mixer, x, conv, recurrent, backends, rows: tuple) -> torch.Tensor:
     return output(mixer, core, z)
 
 
-def replay(recurrent: torch.Tensor, stash: VerifyStash, n: int, backends) -> torch.Tensor:
-    """recurrent <- the state after the first n stashed tokens, replayed from recurrent (the committed state).
-    All GDN layers share one shape, dtype and device (they live in one tensor): one grouped kernel call, with
-    the layers as the batch dimension."""
+def keep_rows(state: GDNState, stash: VerifyStash, n: int, backends) -> None:
+    """state <- the state after the first n stashed tokens: the recurrence replayed from the committed state (all
+    GDN layers share one shape, dtype and device: they live in one tensor, so one grouped kernel call, with the
+    layers as the batch dimension), and the conv window that ends at token n."""
     backends.gdn_recurrent.update_rows(
-        stash.q[:, :n], stash.k[:, :n], stash.v[:, :n], stash.g[:, :n], stash.beta[:, :n], recurrent
+        stash.q[:, :n], stash.k[:, :n], stash.v[:, :n], stash.g[:, :n], stash.beta[:, :n], state.recurrent
     )
-    return recurrent
+    state.conv.copy_(stash.window[:, :, n : n + state.conv.shape[-1]])
 
 
-def commit(state: GDNState, stash: VerifyStash, m: int, backends, replay=replay) -> None:
+def commit(state: GDNState, stash: VerifyStash, m: int, backends, keep_rows=keep_rows) -> None:
     """Keep the first m + 1 verified tokens. Nothing is replayed when the whole verify pass is kept.
-    replay: `replay` or a stand-in with its signature (GraphRunner.replay: the same, as a graph per n)."""
-    n, T, K1 = m + 1, stash.width, state.conv.shape[-1]
+    keep_rows: `keep_rows` or a stand-in with its signature (GraphRunner.keep_rows: the same, as a graph per n)."""
+    n, T = m + 1, stash.width
     if not 0 < n <= T:  # a caller's bug: replaying rows no verify pass wrote would silently corrupt the state
         raise RuntimeError(f"commit of {n} token(s) after a verify pass of {T}")
-    if n == T:
-        state.recurrent.copy_(stash.final)
+    if n < T:
+        keep_rows(state, stash, n, backends)
     else:
-        replay(state.recurrent, stash, n, backends)
-    state.conv.copy_(stash.window[:, :, n : n + K1])
+        state.recurrent.copy_(stash.final)
+        state.conv.copy_(stash.window[:, :, n : n + state.conv.shape[-1]])
     stash.width = 0

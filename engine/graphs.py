@@ -32,6 +32,16 @@ def compile_block(backend: str = "inductor"):
     return torch.compile(block, fullgraph=True, dynamic=False, backend=backend)
 
 
+def put_back(state, fn: Callable):
+    """fn() with the GDN state put back afterwards: a capture's warm-up runs the same kernels as the step, and
+    must not advance the state that the step writes in place."""
+    saved = state.conv.clone(), state.recurrent.clone()
+    out = fn()
+    state.conv.copy_(saved[0])
+    state.recurrent.copy_(saved[1])
+    return out
+
+
 class Rerun:
     """The CPU stand-in for a captured graph."""
 
@@ -68,13 +78,15 @@ class StepGraphs:
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
-    def run(self, key, inputs: tuple[torch.Tensor, ...], pos: int, step: Callable, warmup: Callable | None = None):
+    def run(self, key, inputs: tuple[torch.Tensor, ...], pos: int, step: Callable, warmup: Callable | None = None,
+            width: int | None = None):
         """warmup: what the capture's warm-up runs instead of step, for a step that writes state it also reads
-        (the warm-up must leave that state alone)."""
+        (the warm-up must leave that state alone). width: the graph's key among this key's graphs, when it is not
+        the first input's width."""
         if key != self.key:
             self.reset()
             self.key = key
-        width = inputs[0].shape[1]
+        width = inputs[0].shape[1] if width is None else width
         self.pos.fill_(pos)
         if width not in self.graphs:
             self.capture(width, inputs, step, warmup)
@@ -86,11 +98,11 @@ class StepGraphs:
         return out
 
     def try_run(self, key, inputs: tuple[torch.Tensor, ...], pos: int, step: Callable, what: str,
-                warmup: Callable | None = None):
+                warmup: Callable | None = None, width: int | None = None):
         if self.failure is not None:  # failed once: no capture is tried again
             return None
         try:
-            return self.run(key, inputs, pos, step, warmup)
+            return self.run(key, inputs, pos, step, warmup, width)
         except Exception as e:
             self.failure = f"{what} capture failed ({type(e).__name__}: {str(e)[:160]})"
             if self.device.type == "cuda":
@@ -163,30 +175,38 @@ class GraphRunner:
         self.commits.reset()
         self.decodes.reset()
 
-    def replay(self, recurrent: torch.Tensor, stash, n: int, backends) -> torch.Tensor:
-        """gdn.replay as a graph per kept length n: the kernel launch without its Python wrapper's cost, and the
-        state written in place inside the graph (one replay, one update)."""
-        from .gdn import replay
+    def keep_rows(self, state, stash, n: int, backends) -> None:
+        """gdn.keep_rows as a graph per kept length n: the kernel launch without its Python wrapper's cost, the
+        state written in place inside the graph (one replay, one update), and the conv window's copy with it."""
+        from .gdn import keep_rows
 
         def step(kept, pos):
-            return replay(recurrent, stash, kept.shape[1], backends)
+            keep_rows(state, stash, kept.shape[1], backends)
+            return kept
 
-        def warmup(kept, pos):  # the same kernels on a scratch copy: warming up must not advance the state
-            return replay(recurrent.clone(), stash, kept.shape[1], backends)
+        def warmup(kept, pos):
+            return put_back(state, lambda: step(kept, pos))
 
         if self.kept.shape[1] < n:  # verify passes wider than max_width (deep drafting) keep more
             self.kept = torch.zeros(1, n, device=self.kept.device)
-        key = (stash.q.data_ptr(), recurrent.data_ptr())
-        out = self.commits.try_run(key, (self.kept[:, :n],), 0, step, "commit graph", warmup)
-        return replay(recurrent, stash, n, backends) if out is None else out
+        key = (stash.q.data_ptr(), state.recurrent.data_ptr())
+        if self.commits.try_run(key, (self.kept[:, :n],), 0, step, "commit graph", warmup) is None:
+            keep_rows(state, stash, n, backends)
 
-    def run(self, tokens: torch.Tensor, pos: int, caches) -> torch.Tensor:
+    def verify(self, tokens: torch.Tensor, pos: int, caches):
+        """A verify pass as a graph per width: (hidden, logits, greedy acceptance: sampling.accept_greedy), static
+        (read them before the next replay). The lm_head and the acceptance run inside the graph: no launches
+        between the replay and the cycle's one host read. None if it cannot be captured: eager from then on."""
+        from .sampling import accept_greedy
+
         trunk, T = self.trunk, tokens.shape[1]
         stash = caches.stash_for(max(self.steps.max_width, T), trunk)
         key = (caches.kv.k.data_ptr(), stash.q.data_ptr(), caches.gdn.recurrent.data_ptr())
 
         def step(tokens, pos):
-            return trunk.forward(tokens, pos, caches, verify=True)
+            hidden = trunk.forward(tokens, pos, caches, verify=True)
+            logits = trunk.logits(hidden[0])
+            return hidden, logits, accept_greedy(logits, tokens)
 
         out = self.steps.try_run(key, (tokens,), pos, step, "CUDA graph")
         if out is None and trunk.compiled_block is not None:  # maybe the compilation: capture eager layers instead
@@ -196,9 +216,14 @@ class GraphRunner:
             out = self.steps.try_run(key, (tokens,), pos, step, "CUDA graph")
         if out is None:  # eager decoding from now on, with the reason on record
             trunk.graphs = None
-            return trunk.forward(tokens, pos, caches, verify=True)
+            return None
         stash.width = T  # the Python side effect of the replayed forward
         return out
+
+    def run(self, tokens: torch.Tensor, pos: int, caches) -> torch.Tensor:
+        """The verify pass's hidden states (Trunk.forward with verify=True)."""
+        out = self.verify(tokens, pos, caches)
+        return self.trunk.forward(tokens, pos, caches, verify=True) if out is None else out[0]
 
     def decode(self, tokens: torch.Tensor, pos: int, caches):
         """Plain decoding's step (one token, nothing to reject) as one graph that writes the GDN state in place and
@@ -213,12 +238,8 @@ class GraphRunner:
             logits = trunk.logits(hidden[0])
             return hidden, logits, logits.argmax(-1)  # greedy decoding's token, without a launch after the replay
 
-        def warmup(tokens, pos):  # the same kernels, the state put back: warming up must not advance it
-            saved = state.conv.clone(), state.recurrent.clone()
-            out = step(tokens, pos)
-            state.conv.copy_(saved[0])
-            state.recurrent.copy_(saved[1])
-            return out
+        def warmup(tokens, pos):
+            return put_back(state, lambda: step(tokens, pos))
 
         return self.decodes.try_run(key, (tokens,), pos, step, "decode graph", warmup)
 

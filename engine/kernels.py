@@ -222,7 +222,7 @@ class Backends:
 
     gdn_chunk: object = field(default_factory=lambda: Kernel("torch", True))
     gdn_recurrent: object = field(default_factory=lambda: Kernel("torch", False))
-    moe_grouped: bool = False  # decode-width MoE as grouped GEMMs (model.moe_grouped) instead of row-wise
+    moe: str = "rowwise"  # the decode-width MoE path (model.MOE_PATHS)
     choice: dict[str, tuple[str, str]] = field(default_factory=dict)  # op -> (backend, reason)
 
 

@@ -99,14 +99,14 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor) 
 MOE_ROWWISE_MAX_TOKENS = 32
 
 
-def mlp(layer, x: torch.Tensor, grouped: bool = False) -> torch.Tensor:
-    """grouped: decode / verify widths use one grouped GEMM per projection (CUDA, after a self-check at load)."""
+def mlp(layer, x: torch.Tensor, moe: str = "rowwise") -> torch.Tensor:
+    """moe: the decode / verify-width MoE path (MOE_PATHS; CUDA picks one after a self-check at load)."""
     x = layer.post_attention_layernorm(x)
     block = layer.mlp
     if hasattr(block, "gate_proj"):
         return dense_mlp(block, x)
     if hasattr(block, "experts") and x.shape[1] <= MOE_ROWWISE_MAX_TOKENS:
-        return moe_grouped(block, x) if grouped else moe_rowwise(block, x)
+        return MOE_PATHS[moe](block, x)
     y = block(x)
     return y[0] if isinstance(y, tuple) else y
 
@@ -159,35 +159,57 @@ def moe_grouped(block, x: torch.Tensor) -> torch.Tensor:
     return combine(block, h, y, weights, x.shape)
 
 
+def moe_triton(block, x: torch.Tensor) -> torch.Tensor:
+    from .moe_triton import moe_triton
+
+    return moe_triton(block, x)
+
+
+MOE_PATHS = {"rowwise": moe_rowwise, "grouped_mm": moe_grouped, "triton": moe_triton}
+MOE_WHY = {"grouped_mm": "grouped GEMM over expert-sorted rows, weights read in place",
+           "triton": "two Triton GEMV kernels over the routed experts' weights in place, no sort (moe_triton.py)"}
+
+
 def choose_moe(trunk) -> None:
     """Record the decode-width MoE path in the trunk's backends (used by mlp() through block())."""
-    grouped, why = grouped_moe_check(trunk)
-    trunk.backends.moe_grouped = grouped
+    trunk.backends.moe, why = moe_check(trunk)
     if why != "no MoE layers":
-        trunk.backends.choice["moe"] = ("grouped_mm" if grouped else "rowwise", why)
+        trunk.backends.choice["moe"] = (trunk.backends.moe, why)
 
 
-def grouped_moe_check(trunk) -> tuple[bool, str]:
-    """Whether moe_grouped may replace moe_rowwise here: CUDA only (on the CPU the row-wise form is the exact
-    reference the tests hold), and its output must match the row-wise one on the first MoE layer."""
+def moe_check(trunk) -> tuple[str, str]:
+    """The fastest MoE path whose output matches moe_rowwise's on the first MoE layer: Triton kernels, then
+    grouped GEMMs. CUDA only (on the CPU the row-wise form is the exact reference the tests hold)."""
     layer = next((l for l in trunk.layers if hasattr(l.mlp, "experts")), None)
     if layer is None:
-        return False, "no MoE layers"
-    if trunk.device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
-        return False, "row-wise batched matmuls over gathered expert weights (grouped GEMM: CUDA only)"
+        return "rowwise", "no MoE layers"
+    if trunk.device.type != "cuda":
+        return "rowwise", "row-wise batched matmuls over gathered expert weights (the others: CUDA only)"
     if trunk.dtype == torch.float32:  # float32 is the exactness reference: verify and decode must round alike
-        return False, "row-wise batched matmuls (float32: the exact reference path; grouped GEMM in 16-bit only)"
-    try:
-        gen = torch.Generator(device=trunk.device).manual_seed(0)
-        x = torch.randn(1, 4, trunk.config.hidden_size, generator=gen, device=trunk.device, dtype=trunk.dtype)
-        with torch.inference_mode():
-            a, b = moe_grouped(layer.mlp, x).float(), moe_rowwise(layer.mlp, x).float()
-        err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
-    except Exception as e:  # unsupported dtype (float32 on CUDA), architecture or layout
-        return False, f"row-wise batched matmuls (grouped GEMM unavailable: {type(e).__name__}: {str(e)[:120]})"
-    if not err < 2e-2:
-        return False, f"row-wise batched matmuls (grouped GEMM self-check mismatch {err:.2g})"
-    return True, f"grouped GEMM over expert-sorted rows, weights read in place (self-check {err:.1e})"
+        return "rowwise", "row-wise batched matmuls (float32: the exact reference path; the others in 16-bit only)"
+    from .moe_triton import available
+
+    failures = []
+    for path in ("triton", "grouped_mm"):
+        if path == "triton" and not available():
+            failures.append("triton: not installed")
+            continue
+        if path == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+            failures.append("grouped_mm: not in this torch")
+            continue
+        try:
+            gen = torch.Generator(device=trunk.device).manual_seed(0)
+            x = torch.randn(1, 4, trunk.config.hidden_size, generator=gen, device=trunk.device, dtype=trunk.dtype)
+            with torch.inference_mode():
+                a, b = MOE_PATHS[path](layer.mlp, x).float(), moe_rowwise(layer.mlp, x).float()
+            err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+        except Exception as e:  # unsupported dtype, architecture, activation or layout
+            failures.append(f"{path} unavailable: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        if err < 2e-2:
+            return path, f"{MOE_WHY[path]} (self-check {err:.1e})"
+        failures.append(f"{path} self-check mismatch {err:.2g}")
+    return "rowwise", f"row-wise batched matmuls ({'; '.join(failures)})"
 
 
 def block(trunk, layer, kind: str, h, pos, cos, sin, state: tuple, rows: tuple | None):
@@ -203,7 +225,7 @@ def block(trunk, layer, kind: str, h, pos, cos, sin, state: tuple, rows: tuple |
     else:
         x = attention(layer.self_attn, x, pos, cos, sin, *state)
     h = h + trunk.reduce(x)
-    return h + trunk.reduce(mlp(layer, h, trunk.backends.moe_grouped))
+    return h + trunk.reduce(mlp(layer, h, trunk.backends.moe))
 
 
 def layer_slots(kinds: list[str]) -> list[int]:
@@ -323,7 +345,7 @@ class TrunkCaches:
         """Keep the first m + 1 tokens of the verify pass that started at `processed`. graphs: the trunk's
         GraphRunner, whose graphs replay the GDN recurrence (None: eager)."""
         if self.n_gdn:
-            gdn.commit(self.gdn, self.stash, m, backends, gdn.replay if graphs is None else graphs.replay)
+            gdn.commit(self.gdn, self.stash, m, backends, gdn.keep_rows if graphs is None else graphs.keep_rows)
         self.advance(m + 1)
 
     def abort(self) -> None:

@@ -91,6 +91,6 @@ class MTPHead(nn.Module):
         cos, sin = trunk.position_embeddings(h, pos, h.shape[1])
         layer = self.layers[0]
         h = h + trunk.reduce(attention(layer.self_attn, layer.input_layernorm(h), pos, cos, sin, *cache.layer(0)))
-        h = h + trunk.reduce(mlp(layer, h, trunk.backends.moe_grouped))
+        h = h + trunk.reduce(mlp(layer, h, trunk.backends.moe))
         out = self.norm(h)
         return trunk.logits(out[:, -1:] if last_only else out), out

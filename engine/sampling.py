@@ -43,6 +43,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return (probs / race).argmax(-1)
 
 
+def accept_greedy(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Greedy acceptance of a verify pass over tokens [1, k + 1] (t_n, then the k drafts) with logits [k + 1, V]:
+    [m, the target's argmax per position (k + 1), the drafts (k)], one vector the host reads in one copy; m is
+    the longest prefix where the target's argmax equals the draft."""
+    drafts, targets = tokens[0, 1:], logits.argmax(-1)
+    m = (targets[:-1] == drafts).int().cumprod(0).sum().view(1)
+    return torch.cat([m, targets, drafts])
+
+
 def verify_sampled(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, params: SamplingParams,
                    generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al., Chen et al.): accept draft i with probability min(1, p(d)/q(d));

@@ -136,6 +136,17 @@ def plain_ahead(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTi
     return [tok], [TARGET], Cycle(req.cycles, 0, 0, 0, [], timer.collect(), 1)
 
 
+def verify_pass(trunk, caches, inp: torch.Tensor):
+    """The target over inp [1, k + 1] at the processed position, the committed state left alone ->
+    (hidden, logits, greedy acceptance or None when it ran eagerly: the caller computes it)."""
+    if trunk.graphs is not None:
+        out = trunk.graphs.verify(inp, caches.processed, caches)
+        if out is not None:
+            return out
+    hidden = trunk.forward(inp, caches.processed, caches, verify=True)
+    return hidden, trunk.logits(hidden[0]), None
+
+
 def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
     """One cycle. Returns (new tokens, their sources, Cycle stats). Leaves committed state on any exception."""
     if req.ahead is not None or (depth == 0 and req.sampling.greedy and trunk.graphs is not None):
@@ -156,16 +167,16 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
             if stepped is not None:
                 caches.advance(1)  # the replay wrote the state (all or nothing): count t_n as processed now
                 hidden, logits, _ = stepped
+                packed = None
             else:
-                hidden = trunk.forward(inp, caches.processed, caches, verify=True)
-                logits = trunk.logits(hidden[0])
+                hidden, logits, packed = verify_pass(trunk, caches, inp)
         with timer.phase("accept"):
-            if req.sampling.greedy:  # the longest prefix where the target's argmax equals the draft
-                targets = logits.argmax(-1)
-                m = (targets[:k] == drafts).int().cumprod(0).sum().view(1)
-            else:
+            if not req.sampling.greedy:
                 m, targets = sampling.verify_sampled(logits, drafts, q, req.sampling, req.generator)
-            host = torch.cat([m, targets, drafts]).tolist()  # the one host sync of the cycle
+                packed = torch.cat([m, targets, drafts])
+            elif packed is None:
+                packed = sampling.accept_greedy(logits, inp)
+            host = packed.tolist()  # the one host sync of the cycle
         m, targets_h, drafts_h = host[0], host[1 : k + 2], host[k + 2 :]
         out = drafts_h[:m] + [targets_h[m]]
         sources = [DRAFT] * m + [TARGET]
@@ -182,14 +193,18 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
                 # a copy: with CUDA graphs `hidden` is a static output the next replay overwrites, and at depth 0
                 # (or in a reuse snapshot) the drafter holds it across many replays before the head runs over it
                 drafter.observe(hidden[:, : m + 1].clone())
-            req.append(torch.cat([drafts[:m], targets[m : m + 1]]))  # device slices: no host-to-device copy
+            # the committed tokens from the device (no copy to it): packed[1 + i] is the target's token at i; greedy
+            # acceptance makes the accepted drafts equal to it, sampling does not
+            a = sources.count(DRAFT)
+            req.append(packed[1 : 1 + len(out)] if req.sampling.greedy
+                       else torch.cat([drafts[:a], packed[1 + a : 1 + len(out)]]))
     except BaseException as e:
         abandon(caches, drafter, e, stepped is not None)
         raise
     # An accepted draft that is the EOS ends the reply: it counts as accepted (its source is DRAFT), and the
     # drafts after it, past the reply's end, count neither way. (Counting the EOS draft as rejected, as m does
     # after the cut above, under-reported the demo model's depth-1 acceptance by 0.02-0.03.)
-    accepted = sources.count(DRAFT)
+    accepted = a
     judged = len(out) if accepted > m else k
     accepted_flags = [i < accepted for i in range(judged)]
     req.cycles += 1

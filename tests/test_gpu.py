@@ -57,12 +57,12 @@ def test_cuda_graphs_certified_and_lossless(name, ckpt):
     assert graphs.diagnostics()["compile"]["cuda_graphs"]["captures"] == captures
 
 
-def test_grouped_moe_passes_its_self_check_in_bf16_and_speculation_stays_exact_in_float32(ckpt):
-    """bf16 on CUDA selects the grouped-GEMM MoE (weights read in place); float32 keeps the row-wise path, so the
+def test_triton_moe_passes_its_self_check_in_bf16_and_speculation_stays_exact_in_float32(ckpt):
+    """bf16 on CUDA selects the Triton MoE (weights read in place); float32 keeps the row-wise path, so the
     float32 exactness above still holds for MoE families."""
     bf16 = load_engine(str(ckpt("q35_moe")), device="cuda", dtype="bfloat16")
-    assert bf16.trunk.backends.moe_grouped, bf16.trunk.backends.choice["moe"]
+    assert bf16.trunk.backends.moe == "triton", bf16.trunk.backends.choice["moe"]
     f32 = load_engine(str(ckpt("q35_moe")), device="cuda", dtype="float32")
-    assert not f32.trunk.backends.moe_grouped
+    assert f32.trunk.backends.moe == "rowwise"
     prompt = bf16.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     assert len(tokens(bf16, prompt, 3)) == 32  # runs through the loop, graphs included

@@ -48,7 +48,9 @@ def test_replayed_steps_equal_eager_and_replays_are_counted(name, ckpt, engines)
     assert trunk["decode"]["failure"] is None and trunk["decode"]["replays"]["1"] > 5
     # commit's GDN replay (partly accepted verify passes): one graph per kept length, 1 at least
     assert trunk["commit"]["failure"] is None and trunk["commit"]["replays"]["1"] > 5
-    assert mtp["replays"]["1"] > 5  # draft steps (and one-position refreshes)
+    assert mtp["replays"]["1"] > 5  # one-position refreshes (and the sampled path's draft steps)
+    chains = report["mtp_draft_chain_graphs"]  # greedy depth 3: the two steps after the refresh, as one graph
+    assert chains["failure"] is None and chains["replays"]["2"] > 5
     if name == "demo":
         assert sum(mtp["replays"].values()) > mtp["replays"]["1"]  # refreshes over several accepted positions
     captures = (trunk["captures"], mtp["captures"])
@@ -80,11 +82,11 @@ def test_a_failed_capture_falls_back_to_eager_steps_with_the_reason(ckpt, engine
     prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     assert run(graphs, prompt, 2)[0] == run(engines("next"), prompt, 0)[0]
     report = graphs.diagnostics()["compile"]
-    for part in ("cuda_graphs", "mtp_cuda_graphs"):
+    for part in ("cuda_graphs", "mtp_cuda_graphs", "mtp_draft_chain_graphs"):
         assert "capture refused" in report[part]["failure"] and report[part]["captures"] == 0
     assert graphs.trunk.graphs is None  # eager from now on
     reasons = [f.reason for f in graphs.fallbacks(GenerationSettings(), None) if f.feature == "cuda_graphs"]
-    assert len(reasons) == 2 and all("eager steps" in r for r in reasons)
+    assert len(reasons) == 3 and all("eager steps" in r for r in reasons)
 
 
 def test_a_failed_decode_capture_leaves_plain_decoding_on_the_verify_graph(ckpt, engines):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.drafters import OracleDrafter
-from engine.model import grouped_moe_check, moe_grouped, moe_rowwise
+from engine.model import moe_check, moe_grouped, moe_rowwise
 from test_exactness import PROMPTS, decode
 
 MOE = ["next_moe", "q35_moe"]
@@ -28,7 +28,7 @@ def test_grouped_equals_rowwise(name, engines):
 
 def test_the_cpu_keeps_the_rowwise_reference(engines):
     trunk = engines("q35_moe").trunk
-    assert grouped_moe_check(trunk)[0] is False and not trunk.backends.moe_grouped
+    assert moe_check(trunk)[0] == trunk.backends.moe == "rowwise"
     assert trunk.backends.choice["moe"][0] == "rowwise"
 
 
@@ -37,7 +37,7 @@ def test_speculation_through_grouped_moe_equals_plain(name, engines, monkeypatch
     engine = engines(name)
     prompt = engine.encode_chat(PROMPTS[0])
     reference, _, _ = decode(engine, prompt, depth=0)
-    monkeypatch.setattr(engine.trunk.backends, "moe_grouped", True)
+    monkeypatch.setattr(engine.trunk.backends, "moe", "grouped_mm")
     assert decode(engine, prompt, depth=0)[0] == reference
     vocab = engine.trunk.config.vocab_size
     for depth in (1, 3):

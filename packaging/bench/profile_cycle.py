@@ -1,0 +1,93 @@
+"""Where a decoding cycle's time goes, per depth: wall time per token against the GPU's busy time (the union of
+its kernels' intervals) and kernel launches per cycle. A cycle whose GPU is idle most of the time is bound by the
+host (launches, Python, the one sync per cycle); one whose GPU is busy is bound by its kernels.
+
+    python packaging/bench/profile_cycle.py --model engine/assets/demo [--compile] [--depths 0,1,3] [--json OUT]
+    python packaging/bench/profile_cycle.py --random-weights qwen3-next-80b-a3b --layers 12 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from engine import Engine, GenerationSettings, load_engine
+from engine.events import Cycle
+from engine.presets import random_model
+
+
+def generate(engine: Engine, depth: int, n: int) -> int:
+    settings = GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True, reuse=False)
+    cycles = 0
+    for ev in engine.generate(list(range(1, 33)), settings):
+        cycles += isinstance(ev, Cycle)
+    return cycles
+
+
+def busy_ms(events) -> tuple[float, int, dict]:
+    """GPU busy time (union of kernel intervals, ms), kernel count, and ms per kernel family."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    total, end, fam = 0.0, -1.0, {}
+    for a, b, name in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+        key = name.split("<")[0][:60]
+        fam[key] = fam.get(key, 0.0) + (b - a) / 1e3
+    return total / 1e3, len(spans), fam
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--random-weights")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--depths", default="0,1,2,3")
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if args.model:
+        engine = load_engine(args.model, "cuda", "bfloat16", compile=args.compile)
+    else:
+        engine = Engine(random_model(args.random_weights, args.layers, "cuda", "bfloat16"), None, set(),
+                        cuda_graphs=True, compile=args.compile)
+    rows = []
+    for depth in (int(d) for d in args.depths.split(",")):
+        if depth and engine.mtp_drafter is None:
+            continue
+        for _ in range(2):
+            generate(engine, depth, args.tokens)  # captures, autotuning
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        cycles = generate(engine, depth, args.tokens)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) * 1e3
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            generate(engine, depth, args.tokens)
+            torch.cuda.synchronize()
+        busy, kernels, fam = busy_ms(prof.events())
+        top = sorted(fam.items(), key=lambda kv: -kv[1])[:8]
+        row = {"depth": depth, "tokens": args.tokens, "cycles": cycles, "wall_ms_per_token": wall / args.tokens,
+               "wall_ms_per_cycle": wall / cycles, "gpu_busy_ms_per_cycle": busy / cycles,
+               "gpu_busy_fraction": busy / wall, "kernels_per_cycle": kernels / cycles,
+               "top_kernels_ms_per_cycle": {k: v / cycles for k, v in top}}
+        rows.append(row)
+        print(f"depth {depth}: {args.tokens / wall * 1e3:7.1f} tok/s, {cycles} cycles, {wall / cycles:.3f} ms a "
+              f"cycle, GPU busy {busy / cycles:.3f} ms ({busy / wall:.0%}), {kernels / cycles:.0f} kernels a cycle")
+        for k, v in top:
+            print(f"     {v / cycles:7.3f} ms  {k}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model or f"random:{args.random_weights}", "compiled": args.compile,
+                       "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

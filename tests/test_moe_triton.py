@@ -1,0 +1,134 @@
+"""The Triton decode-width MoE (engine/moe_triton.py) against the row-wise reference, on a random
+Qwen3NextSparseMoeBlock: bf16 at the Qwen3-Next-80B shape, float32 at a small one, the routed part's
+batch invariance, torch.compile (fullgraph) and CUDA-graph capture.
+
+GPU tests: they skip without CUDA and Triton. With TRITON_INTERPRET=1 and Triton importable they run on the CPU
+through Triton's interpreter instead (slow: the 80B shape only at one row)."""
+
+import os
+
+import pytest
+import torch
+
+import engine.moe_triton as moe_triton_module
+from engine.model import moe_rowwise, route
+from engine.moe_triton import moe_triton
+
+gpu = pytest.mark.gpu
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and moe_triton_module.triton is not None
+SHAPE_80B = dict(hidden_size=2048, num_experts=512, moe_intermediate_size=512, num_experts_per_tok=10)
+SMALL = dict(hidden_size=200, num_experts=16, moe_intermediate_size=96, num_experts_per_tok=4)  # masked tails
+
+
+@pytest.fixture(scope="module")
+def device():
+    if moe_triton_module.available():
+        return torch.device("cuda")
+    if INTERPRET:
+        return torch.device("cpu")
+    pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with Triton installed)")
+
+
+def moe_block(shape: dict, dtype, device, seed: int = 0):
+    """transformers' Qwen3-Next MoE block with random weights, made directly in dtype on device."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+    config = Qwen3NextConfig(shared_expert_intermediate_size=shape["moe_intermediate_size"], **shape)
+    with torch.device("meta"):
+        block = Qwen3NextSparseMoeBlock(config)
+    block = block.to(dtype).to_empty(device=device).eval()  # no float32 copy of the 80B shape's 3 GiB of experts
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():  # unit-scale activations; router logits ~ N(0, 1): distinct top-k
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    return block
+
+
+def rows(block, n: int, seed: int = 1):
+    gen = torch.Generator(device=block.gate.weight.device).manual_seed(seed)
+    h = block.gate.weight.shape[1]
+    return torch.randn(1, n, h, generator=gen, device=gen.device).to(block.gate.weight.dtype)
+
+
+def rel_err(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+
+
+def test_the_module_imports_and_reports_availability():
+    """CPU-only installs (no Triton) import it too; available() is what the engine asks before using it."""
+    assert moe_triton_module.available() == (moe_triton_module.triton is not None and torch.cuda.is_available())
+
+
+@pytest.fixture(scope="module")
+def block_80b(device):
+    return moe_block(SHAPE_80B, torch.bfloat16, device)
+
+
+@gpu
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_bf16_matches_rowwise_at_the_80b_shape(block_80b, device, n):
+    if device.type == "cpu" and n > 1:
+        pytest.skip("interpreter: one row is enough (about 20 s)")
+    x = rows(block_80b, n)
+    with torch.inference_mode():
+        err = rel_err(moe_triton(block_80b, x), moe_rowwise(block_80b, x))
+    assert err < 2e-2
+
+
+@gpu
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_float32_matches_rowwise(device, n):
+    block = moe_block(SMALL, torch.float32, device)
+    x = rows(block, n)
+    with torch.inference_mode():
+        err = rel_err(moe_triton(block, x), moe_rowwise(block, x))
+    assert err < 1e-5
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_routed_rows_do_not_depend_on_the_batch(device, dtype):
+    """Bit for bit: a verify pass's rows equal decoding them one at a time (the routed experts; the shared
+    expert is torch's matmul, whose kernel choice may depend on the width)."""
+    block = moe_block(SMALL, dtype, device)
+    h = rows(block, 5)[0]
+    experts = block.experts
+    with torch.inference_mode():
+        weights, idx = route(block, h)
+        whole = moe_triton_module.moe_experts(h, idx, weights, experts.gate_up_proj, experts.down_proj)
+        for i in range(h.shape[0]):
+            one = moe_triton_module.moe_experts(h[i:i + 1], idx[i:i + 1], weights[i:i + 1], experts.gate_up_proj,
+                                                experts.down_proj)
+            assert torch.equal(one, whole[i:i + 1])
+
+
+@gpu
+def test_compiles_fullgraph(device):
+    block = moe_block(SMALL, torch.bfloat16, device)
+    x = rows(block, 3)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    compiled = torch.compile(lambda x: moe_triton(block, x), fullgraph=True, backend=backend)
+    with torch.inference_mode():
+        assert rel_err(compiled(x), moe_triton(block, x)) < 2e-2
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_cuda_graph_capture_and_replay(device):
+    block = moe_block(SMALL, torch.bfloat16, device)
+    x = rows(block, 4)
+    with torch.inference_mode():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile the kernels before capture
+            moe_triton(block, x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = moe_triton(block, x)
+        x.copy_(rows(block, 4, seed=2))
+        graph.replay()
+        torch.testing.assert_close(y, moe_triton(block, x))
