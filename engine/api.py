@@ -18,7 +18,7 @@ from .events import Fallback, Finished, Started, Tokens
 from .model import Loaded, load
 from .reuse import TurnCache
 from .sampling import SamplingParams
-from .speculative import Request, cycle, pick, prefill
+from .speculative import Request, cycle, drop_launched, pick, prefill
 from .timing import PhaseTimer
 
 EMBEDDED = Path(__file__).parent / "assets" / "demo"
@@ -259,6 +259,7 @@ class Engine:
                 ok = True
                 raise
             finally:
+                drop_launched(self.caches, drafter, req)  # a cycle launched ahead of a stop is not finished
                 # What the caches hold is the committed sequence minus its last (unprocessed) token. After any
                 # other exception the state is dropped, cleanly: the next request starts from zero.
                 if ok:

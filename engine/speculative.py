@@ -33,7 +33,8 @@ class Request:
     per_position: list[list[int]] = field(default_factory=list)  # [drafted, accepted] per draft position
     finish: str | None = None
     ahead: torch.Tensor | None = None  # the token of a plain step already run for the last committed token
-    host: tuple | None = None  # (pinned host buffer, CUDA event): a token read without waiting for later steps
+    host: tuple | None = None  # (pinned host buffer, CUDA event): tokens read without waiting for later steps
+    launched: object = None  # the next cycle's Launched draft and verify, or the exception its launch raised
 
     def append(self, tokens: torch.Tensor) -> None:
         n = tokens.shape[0]
@@ -91,14 +92,16 @@ def plain_step(trunk, caches, drafter, req: Request) -> torch.Tensor | None:
     return argmax.clone()
 
 
-def start_read(token: torch.Tensor, req: Request):
-    """Copy the token to the host behind the work queued so far; returns the event to wait on (None on the CPU,
-    where the copy is done). Waiting on it does not wait for a step launched afterwards."""
-    if req.host is None:
-        cuda = token.is_cuda
-        req.host = torch.empty(1, dtype=torch.long, pin_memory=cuda), torch.cuda.Event() if cuda else None
+def start_read(values: torch.Tensor, req: Request):
+    """Copy values [n] (long) to the host behind the work queued so far, into req.host's pinned buffer; returns
+    the event to wait on (None on the CPU, where the copy is done). Waiting on it does not wait for work launched
+    afterwards."""
+    n = values.shape[0]
+    if req.host is None or req.host[0].shape[0] < n:
+        cuda = values.is_cuda
+        req.host = torch.empty(max(n, 16), dtype=torch.long, pin_memory=cuda), torch.cuda.Event() if cuda else None
     buf, ready = req.host
-    buf.copy_(token, non_blocking=True)
+    buf[:n].copy_(values, non_blocking=True)
     if ready is not None:
         ready.record()
     return ready
@@ -147,27 +150,37 @@ def verify_pass(trunk, caches, inp: torch.Tensor):
     return hidden, trunk.logits(hidden[0]), None
 
 
-def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
-    """One cycle. Returns (new tokens, their sources, Cycle stats). Leaves committed state on any exception."""
-    if req.ahead is not None or (depth == 0 and req.sampling.greedy and trunk.graphs is not None):
-        done = plain_ahead(trunk, caches, drafter, req, depth, timer)  # a depth change applies after its step
-        if done is not None:
-            return done
-    timer.start_cycle()
+@dataclass
+class Launched:
+    """A cycle's draft and verify, launched; its acceptance on its way to the host."""
+    k: int
+    drafts: torch.Tensor  # [k]
+    hidden: torch.Tensor  # the verify pass's hidden states [1, k + 1, H] (static with graphs)
+    packed: torch.Tensor  # [m, the target's token per position (k + 1), the drafts (k)]
+    ready: object  # the event after which req.host holds `packed` (None on the CPU)
+    stepped: bool  # plain decoding's in-place graph step ran: t_n is processed already
+
+
+def launch(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer) -> Launched:
+    """Draft and verify one cycle and start copying its acceptance to the host; nothing waits for the GPU.
+    Leaves the committed state on any exception."""
     k = min(depth, req.max_new - len(req.generated) - 1) if drafter is not None else 0
     seq = req.seq[: req.length]
-    stepped = None  # plain decoding's in-place graph step ran: t_n is processed already
+    stepped = False
     try:
         drafts, q = drafter.propose(seq, k, timer, req) if k > 0 else (seq[:0], None)
         with timer.phase("verify"):
             inp = (torch.cat([seq[-1:], drafts]) if k else seq[-1:]).unsqueeze(0)
             caches.kv.reserve(k + 1)
-            if k == 0 and trunk.graphs is not None:
-                stepped = trunk.graphs.decode(inp, caches.processed, caches)
-            if stepped is not None:
-                caches.advance(1)  # the replay wrote the state (all or nothing): count t_n as processed now
-                hidden, logits, _ = stepped
+            out = trunk.graphs.decode(inp, caches.processed, caches) if k == 0 and trunk.graphs is not None else None
+            if out is not None:  # the replay wrote the state (all or nothing): t_n is processed now
+                stepped = True
+                caches.advance(1)
+                hidden, logits, _ = out
                 packed = None
+                if drafter is not None:  # observed now: a launched step is not taken back (see plain_step)
+                    drafter.rollback()
+                    drafter.observe(hidden.clone())
             else:
                 hidden, logits, packed = verify_pass(trunk, caches, inp)
         with timer.phase("accept"):
@@ -176,7 +189,56 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
                 packed = torch.cat([m, targets, drafts])
             elif packed is None:
                 packed = sampling.accept_greedy(logits, inp)
-            host = packed.tolist()  # the one host sync of the cycle
+            ready = start_read(packed, req)
+    except BaseException as e:
+        abandon(caches, drafter, e, stepped)
+        raise
+    return Launched(k, drafts, hidden, packed, ready, stepped)
+
+
+def drop_launched(caches, drafter, req: Request) -> None:
+    """Forget a cycle launched ahead that will not be finished (the reply stopped): like a failed cycle, it
+    leaves the committed state (a plain in-place step leaves its token processed, as plain_ahead's does)."""
+    launched, req.launched = req.launched, None
+    if isinstance(launched, Launched):
+        caches.abort()
+        if drafter is not None:
+            drafter.rollback()
+
+
+def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
+    """One cycle. Returns (new tokens, their sources, Cycle stats). Leaves committed state on any exception.
+
+    With graphs, the next cycle's draft and verify are launched before this one returns (req.launched): the
+    GPU works while the host hands out this cycle's tokens, and the next call only waits for them. Its depth
+    is this call's: a live depth change applies one cycle later."""
+    launched, req.launched = req.launched, None
+    if isinstance(launched, Exception):  # raised by the launch ahead, after that cycle's tokens were handed out
+        raise launched
+    if launched is None and (req.ahead is not None or (depth == 0 and req.sampling.greedy and
+                                                       trunk.graphs is not None)):
+        done = plain_ahead(trunk, caches, drafter, req, depth, timer)  # a depth change applies after its step
+        if done is not None:
+            return done
+    timer.start_cycle()
+    if launched is None:
+        launched = launch(trunk, caches, drafter, req, depth, timer)
+    out, sources, stats = finish(trunk, caches, drafter, req, launched, timer)
+    if req.finish is None and trunk.graphs is not None and not (depth == 0 and req.sampling.greedy):
+        try:
+            req.launched = launch(trunk, caches, drafter, req, depth, timer)
+        except Exception as e:  # raised on the next call: this cycle's tokens are committed and go out first
+            req.launched = e
+    return out, sources, stats
+
+
+def finish(trunk, caches, drafter, req: Request, c: Launched, timer: PhaseTimer):
+    """Read a launched cycle's acceptance (the one host sync of the cycle), commit it, count it."""
+    k = c.k
+    try:
+        if c.ready is not None:
+            c.ready.synchronize()
+        host = req.host[0][: 2 * k + 2].tolist()
         m, targets_h, drafts_h = host[0], host[1 : k + 2], host[k + 2 :]
         out = drafts_h[:m] + [targets_h[m]]
         sources = [DRAFT] * m + [TARGET]
@@ -186,25 +248,24 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
                 req.finish = "eos"
                 break
         with timer.phase("commit"):
-            if stepped is None:
+            if not c.stepped:
                 caches.commit(m, trunk.backends, trunk.graphs)
-            if drafter is not None:
-                drafter.rollback()
-                # a copy: with CUDA graphs `hidden` is a static output the next replay overwrites, and at depth 0
-                # (or in a reuse snapshot) the drafter holds it across many replays before the head runs over it
-                drafter.observe(hidden[:, : m + 1].clone())
+                if drafter is not None:
+                    drafter.rollback()
+                    # a copy: with CUDA graphs `hidden` is a static output the next replay overwrites, and at depth
+                    # 0 (or in a reuse snapshot) the drafter holds it across many replays before the head runs
+                    drafter.observe(c.hidden[:, : m + 1].clone())
             # the committed tokens from the device (no copy to it): packed[1 + i] is the target's token at i; greedy
             # acceptance makes the accepted drafts equal to it, sampling does not
-            a = sources.count(DRAFT)
-            req.append(packed[1 : 1 + len(out)] if req.sampling.greedy
-                       else torch.cat([drafts[:a], packed[1 + a : 1 + len(out)]]))
+            accepted = sources.count(DRAFT)
+            req.append(c.packed[1 : 1 + len(out)] if req.sampling.greedy
+                       else torch.cat([c.drafts[:accepted], c.packed[1 + accepted : 1 + len(out)]]))
     except BaseException as e:
-        abandon(caches, drafter, e, stepped is not None)
+        abandon(caches, drafter, e, c.stepped)
         raise
     # An accepted draft that is the EOS ends the reply: it counts as accepted (its source is DRAFT), and the
     # drafts after it, past the reply's end, count neither way. (Counting the EOS draft as rejected, as m does
     # after the cut above, under-reported the demo model's depth-1 acceptance by 0.02-0.03.)
-    accepted = a
     judged = len(out) if accepted > m else k
     accepted_flags = [i < accepted for i in range(judged)]
     req.cycles += 1
@@ -220,4 +281,3 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
         req.finish = "length"
     stats = Cycle(req.cycles, k, judged, accepted, accepted_flags, timer.collect(), len(out))
     return out, sources, stats
-

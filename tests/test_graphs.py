@@ -156,3 +156,61 @@ def test_plain_decoding_one_step_ahead_is_exact_and_the_next_turn_continues_from
     prompt2, toks2, reused, _ = turn(ahead, second)
     assert reused == len(prompt) + len(toks)  # everything the caches hold, the EOS included
     assert toks2 == turn(fresh, second)[1]
+
+
+def test_a_cycle_launched_ahead_of_a_stop_is_dropped_and_the_next_turn_is_exact():
+    """With graphs each cycle launches the next one's draft and verify before returning its tokens. A stop leaves
+    that launched cycle unfinished: it is dropped (the committed state is the finished cycles'), and the next
+    turn, which reuses the caches, gives a fresh engine's tokens."""
+    from engine import DecodeControl
+    from engine.events import Tokens
+
+    ahead, fresh = load_engine(DEMO, cuda_graphs=True), load_engine(DEMO)
+    first = [{"role": "user", "content": "What is a dictionary in Python?"}]
+    prompt = ahead.encode_chat(first)
+    control, toks, fin = DecodeControl(3), [], None
+    for ev in ahead.generate(prompt, GenerationSettings(max_new_tokens=96, depth=3), control=control):
+        if isinstance(ev, Tokens):
+            toks += ev.token_ids
+            if len(toks) >= 20:
+                control.stop()
+        fin = ev
+    assert fin.reason == "stop" and fin.stats["accepted"] > 0
+    verifies = sum(ahead.graph_runner.steps.replays.values())
+    assert verifies == fin.stats["cycles"] + 1  # one launched ahead, never finished
+    assert ahead.caches.processed == len(prompt) + len(toks) - 1  # the finished cycles' tokens, the last unprocessed
+    assert ahead.mtp_drafter.cache.length == ahead.mtp_drafter.covered  # its speculative entries rolled back
+    second = first + [{"role": "assistant", "content": ahead.tokenizer.decode(toks)},
+                      {"role": "user", "content": "And a list?"}]
+    a, b = (list(e.generate(e.encode_chat(second), GenerationSettings(max_new_tokens=40, depth=3))) for e in (ahead, fresh))
+    assert a[0].reused_tokens == len(prompt) + len(toks) - 1
+    assert [t for e in a if isinstance(e, Tokens) for t in e.token_ids] == \
+        [t for e in b if isinstance(e, Tokens) for t in e.token_ids]
+
+
+def test_an_error_in_the_launch_ahead_comes_after_the_tokens_of_the_finished_cycle(monkeypatch):
+    """The launch ahead runs after a cycle is committed and before its tokens are handed out: an out-of-memory
+    error there is raised by the next cycle, so those tokens still go out, and the usual retry at a lower depth
+    continues exactly."""
+    import engine.speculative as speculative
+    from engine.events import Fallback, Tokens
+
+    graphs = load_engine(DEMO, cuda_graphs=True)
+    prompt = graphs.encode_chat([{"role": "user", "content": "What is a dictionary in Python?"}])
+    settings = GenerationSettings(max_new_tokens=40, depth=3, ignore_eos=True)
+    plain = run(load_engine(DEMO), prompt, 0, n=40)[0]
+    calls, verify_pass = {"n": 0}, speculative.verify_pass
+
+    def flaky(*a):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the launch ahead of the second cycle
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return verify_pass(*a)
+
+    monkeypatch.setattr(speculative, "verify_pass", flaky)
+    events = list(graphs.generate(prompt, settings))
+    kinds = [type(e).__name__ for e in events]
+    note = kinds.index("Fallback")
+    assert kinds[1:note].count("Tokens") == 2  # the first token, then the first cycle's
+    assert "depth lowered to 1" in events[note].reason
+    assert [t for e in events if isinstance(e, Tokens) for t in e.token_ids] == plain
