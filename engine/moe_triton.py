@@ -22,6 +22,7 @@ graphs capture them. Block sizes are fixed (no autotuning: nothing to run at cap
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .fusion import dense_mlp
 
@@ -95,6 +96,43 @@ if triton is not None:
         tl.store(out_ptr + token * stride_on + rows, out.to(out_ptr.dtype.element_ty), mask=rows < H)
 
 
+    @triton.jit
+    def _route_kernel(logits_ptr, weights_ptr, idx_ptr, stride_l, E: tl.constexpr, K: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+        # one program per row: float32 softmax over the E router logits, then K rounds of argmax, each round
+        # masking out the expert it took; what torch.softmax + torch.topk (a sort) + the renormalisation do in
+        # four kernels
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_E)
+        x = tl.load(logits_ptr + row * stride_l + cols, mask=cols < E, other=-float("inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, 0))
+        p = tl.where(cols < E, p / tl.sum(p, 0), -1.0)
+        slots = tl.arange(0, BLOCK_K)
+        weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+        for j in tl.static_range(K):
+            best = tl.argmax(p, 0)
+            weights = tl.where(slots == j, tl.max(p, 0), weights)
+            ids = tl.where(slots == j, best.to(tl.int64), ids)
+            p = tl.where(cols == best, -1.0, p)
+        if NORM:
+            weights = weights / tl.sum(weights, 0)
+        tl.store(weights_ptr + row * K + slots, weights, mask=slots < K)
+        tl.store(idx_ptr + row * K + slots, ids, mask=slots < K)
+
+
+def route(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of router logits [N, E]: (weights [N, k] float32, expert ids [N, k] int64), as
+    engine.model.route computes them, in one kernel."""
+    N, E = logits.shape
+    weights = torch.empty(N, k, device=logits.device, dtype=torch.float32)
+    idx = torch.empty(N, k, device=logits.device, dtype=torch.int64)
+    if N:
+        _route_kernel[(N,)](logits, weights, idx, logits.stride(0), E=E, K=k, BLOCK_E=triton.next_power_of_2(E),
+                            BLOCK_K=triton.next_power_of_2(k), NORM=norm, num_warps=4)
+    return weights, idx
+
+
 def launch(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
            down: torch.Tensor) -> torch.Tensor:
     """Routed experts' weighted sum [N, H] for rows h [N, H], expert ids idx [N, k], routing weights [N, k].
@@ -123,25 +161,26 @@ def launch(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: t
 
 
 @torch.library.custom_op("mtpchat::moe_experts", mutates_args=())
-def moe_experts(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+def moe_experts(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, k: int,
+                norm: bool) -> torch.Tensor:
+    """The routed part of the MoE for rows h [N, H] with router logits [N, E]: routing and the experts."""
+    weights, idx = route(logits, k, norm)
     return launch(h, idx, weights, gate_up, down)
 
 
 @moe_experts.register_fake
-def _(h, idx, weights, gate_up, down):
+def _(h, logits, gate_up, down, k, norm):
     return h.new_empty(h.shape)
 
 
 def moe_triton(block, x: torch.Tensor) -> torch.Tensor:
-    """What moe_rowwise(block, x) computes, x [1, N, H], through the two kernels above plus the shared expert."""
-    from .model import route  # model imports this module lazily: no import cycle
-
-    experts = block.experts
+    """What moe_rowwise(block, x) computes, x [1, N, H], through the three kernels above plus the router's and
+    the shared expert's matmuls."""
+    experts, router = block.experts, block.gate
     if type(experts.act_fn).__name__ not in SILU:  # the kernel's activation is SiLU (Qwen3-Next / 3.5)
         raise ValueError(f"moe_triton supports SiLU experts only, not {type(experts.act_fn).__name__}")
     h = x.reshape(-1, x.shape[-1])
-    weights, idx = route(block, h)
-    y = moe_experts(h, idx, weights, experts.gate_up_proj, experts.down_proj)
+    y = moe_experts(h, F.linear(h, router.weight), experts.gate_up_proj, experts.down_proj, router.top_k,
+                    bool(getattr(router, "norm_topk_prob", True)))
     shared = dense_mlp(block.shared_expert, h) * torch.sigmoid(block.shared_expert_gate(h))
     return (y + shared).view(x.shape)

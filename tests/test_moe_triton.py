@@ -97,12 +97,28 @@ def test_routed_rows_do_not_depend_on_the_batch(device, dtype):
     h = rows(block, 5)[0]
     experts = block.experts
     with torch.inference_mode():
-        weights, idx = route(block, h)
-        whole = moe_triton_module.moe_experts(h, idx, weights, experts.gate_up_proj, experts.down_proj)
+        logits = torch.nn.functional.linear(h, block.gate.weight)
+        k = block.gate.top_k
+        whole = moe_triton_module.moe_experts(h, logits, experts.gate_up_proj, experts.down_proj, k, True)
         for i in range(h.shape[0]):
-            one = moe_triton_module.moe_experts(h[i:i + 1], idx[i:i + 1], weights[i:i + 1], experts.gate_up_proj,
-                                                experts.down_proj)
+            one = moe_triton_module.moe_experts(h[i:i + 1], logits[i:i + 1], experts.gate_up_proj,
+                                                experts.down_proj, k, True)
             assert torch.equal(one, whole[i:i + 1])
+
+
+@gpu
+@pytest.mark.parametrize("n", [1, 3])
+def test_routing_kernel_picks_what_softmax_and_topk_pick(block_80b, device, n):
+    block = block_80b
+    h = rows(block, n)[0]
+    with torch.inference_mode():
+        weights, idx = route(block, h)
+        logits = torch.nn.functional.linear(h, block.gate.weight)
+        got_w, got_idx = moe_triton_module.route(logits, block.gate.top_k, True)
+    order, got_order = idx.sort(-1), got_idx.sort(-1)
+    assert torch.equal(order.values, got_order.values)  # the same experts (the kernel's order: by weight too)
+    torch.testing.assert_close(got_w.gather(-1, got_order.indices), weights.gather(-1, order.indices),
+                               rtol=1e-5, atol=1e-6)
 
 
 @gpu
