@@ -214,3 +214,20 @@ def test_an_error_in_the_launch_ahead_comes_after_the_tokens_of_the_finished_cyc
     assert kinds[1:note].count("Tokens") == 2  # the first token, then the first cycle's
     assert "depth lowered to 1" in events[note].reason
     assert [t for e in events if isinstance(e, Tokens) for t in e.token_ids] == plain
+
+
+def test_sampled_decoding_with_graphs_and_cycles_launched_ahead_draws_what_eager_decoding_draws():
+    """Sampling with a seed: with graphs (plain decoding's in-place step at depth 0, and every cycle launching
+    the next one's draft and verify ahead) the request's generator is drawn in the same order as eager decoding
+    draws it, so the same seed gives the same text at each depth."""
+    graphs, eager = load_engine(DEMO, cuda_graphs=True), load_engine(DEMO)
+    prompt = eager.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    for depth in (0, 2):
+        kw = dict(depth=depth, temperature=0.8, top_p=0.9, seed=7, max_new_tokens=40)
+        want, _, fin = decode(eager, prompt, **kw)
+        got, _, fin_graphs = decode(graphs, prompt, **kw)
+        assert got == want
+        if depth:
+            assert fin_graphs.stats["accepted"] > 0 and fin_graphs.stats["cycles"] == fin.stats["cycles"]
+    report = graphs.diagnostics()["compile"]["cuda_graphs"]
+    assert report["decode"]["replays"]["1"] > 20 and report["replays"]["3"] > 5  # both paths ran
