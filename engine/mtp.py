@@ -16,7 +16,7 @@ from .cache import KVCache
 from .errors import EngineError
 from .families import fuse_experts
 from .fusion import fuse_all
-from .model import attention, mlp
+from .model import block
 
 
 class MTPUnusable(EngineError):
@@ -89,8 +89,6 @@ class MTPHead(nn.Module):
         e = self.pre_fc_norm_embedding(trunk.embed(tokens))
         h = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], -1))  # embedding first, hidden second
         cos, sin = trunk.position_embeddings(h, pos, h.shape[1])
-        layer = self.layers[0]
-        h = h + trunk.reduce(attention(layer.self_attn, layer.input_layernorm(h), pos, cos, sin, *cache.layer(0)))
-        h = h + trunk.reduce(mlp(layer, h, trunk.backends.moe))
+        h = block(trunk, self.layers[0], "full_attention", h, pos, cos, sin, cache.layer(0), None)
         out = self.norm(h)
         return trunk.logits(out[:, -1:] if last_only else out), out
