@@ -5,6 +5,7 @@
 #   bash packaging/bench/h200.sh speed    # 27B shape eager / graphs / graphs+compile with the oracle, GPU tests
 #   bash packaging/bench/h200.sh speed2   # 27B shape with the MTP head, 80B-A3B slice
 #   bash packaging/bench/h200.sh profile  # kernels of one 27B-shape decode step
+#   bash packaging/bench/h200.sh cycle    # the demo model's decoding cycles: wall vs GPU busy, kernels per cycle
 #   bash packaging/bench/h200.sh ops      # decode attention and conv variants, per call, inside CUDA graphs
 #   bash packaging/bench/h200.sh tp       # nvidia-h200-x2: --tp 1 vs the plain engine, 27B and 80B-A3B at --tp 2
 #   bash packaging/bench/h200.sh turns    # multi-turn TTFT on the 27B shape
@@ -32,6 +33,9 @@ speed2)  # the MTP rows at a real shape (random weights: their acceptance is mea
   ;;
 profile)
   timeout 150 python3 packaging/bench/profile_step.py --random-weights qwen3.5-27b --compile --json "$OUT/profile27b.json" --host 256 2>&1 | grep -v Warn | tail -90
+  ;;
+cycle)
+  timeout 150 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --json "$OUT/cycle_demo_h200.json" 2>&1 | grep depth
   ;;
 ops)
   timeout 120 python3 packaging/bench/decode_ops.py 2>&1 | grep -E "^(attn|conv)" | tee "$OUT/decode_ops.txt"

@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model or f"random:{args.random_weights}", "compiled": args.compile,
-                       "gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+                       "gpu": torch.cuda.get_device_name(), "command": "python " + " ".join(sys.argv),
+                       "depths": rows}, f, indent=2)
     return 0
 
 

@@ -80,6 +80,15 @@ def profile(path: Path) -> str:
             f"{r['kernel_ms_per_step']:.1f} ms; the largest: {top}.")
 
 
+def cycle_profile(path: Path) -> str:
+    r = json.loads(path.read_text())
+    rows = "; ".join(f"depth {x['depth']} {x['wall_ms_per_cycle']:.2f} ms a cycle, GPU busy "
+                     f"{100 * x['gpu_busy_fraction']:.0f}%, {x['kernels_per_cycle']:.0f} kernels"
+                     for x in r["depths"])
+    return (f"Decoding cycles, **{r['model']}** on {r['gpu']} (`packaging/bench/profile_cycle.py`, a 32-token "
+            f"prompt, `{path.name}`): {rows}.")
+
+
 def main() -> None:
     for path in sorted(HERE.glob("*.json")):
         r = json.loads(path.read_text())
@@ -87,7 +96,8 @@ def main() -> None:
             print(table(path) + "\n")
     for path in sorted(HERE.glob("*.json")):
         r = json.loads(path.read_text())
-        render = turns if "rows" in r else precision if "precision" in r else profile if "top_kernels" in r else None
+        render = turns if "rows" in r else precision if "precision" in r else profile if "top_kernels" in r else \
+            cycle_profile if "depths" in r else None
         if render:
             print(render(path) + "\n")
 
