@@ -220,8 +220,8 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
         done = plain_ahead(trunk, caches, drafter, req, depth, timer)  # a depth change applies after its step
         if done is not None:
             return done
-    timer.start_cycle()
-    if launched is None:
+    if launched is None:  # (a launched cycle's phases were recorded by the call before: they count here)
+        timer.start_cycle()
         launched = launch(trunk, caches, drafter, req, depth, timer)
     out, sources, stats = finish(trunk, caches, drafter, req, launched, timer)
     if req.finish is None and trunk.graphs is not None and not (depth == 0 and req.sampling.greedy):

@@ -163,19 +163,22 @@ def test_a_cycle_launched_ahead_of_a_stop_is_dropped_and_the_next_turn_is_exact(
     that launched cycle unfinished: it is dropped (the committed state is the finished cycles'), and the next
     turn, which reuses the caches, gives a fresh engine's tokens."""
     from engine import DecodeControl
-    from engine.events import Tokens
+    from engine.events import Cycle, Tokens
 
     ahead, fresh = load_engine(DEMO, cuda_graphs=True), load_engine(DEMO)
     first = [{"role": "user", "content": "What is a dictionary in Python?"}]
     prompt = ahead.encode_chat(first)
-    control, toks, fin = DecodeControl(3), [], None
+    control, toks, fin, cycles = DecodeControl(3), [], None, []
     for ev in ahead.generate(prompt, GenerationSettings(max_new_tokens=96, depth=3), control=control):
         if isinstance(ev, Tokens):
             toks += ev.token_ids
             if len(toks) >= 20:
                 control.stop()
+        cycles += [ev] if isinstance(ev, Cycle) else []
         fin = ev
     assert fin.reason == "stop" and fin.stats["accepted"] > 0
+    # each cycle reports its own draft and verify, recorded by the call that launched it
+    assert all({"draft", "verify", "commit"} <= set(c.phase_ms) for c in cycles)
     verifies = sum(ahead.graph_runner.steps.replays.values())
     assert verifies == fin.stats["cycles"] + 1  # one launched ahead, never finished
     assert ahead.caches.processed == len(prompt) + len(toks) - 1  # the finished cycles' tokens, the last unprocessed
