@@ -234,3 +234,29 @@ def test_sampled_decoding_with_graphs_and_cycles_launched_ahead_draws_what_eager
             assert fin_graphs.stats["accepted"] > 0 and fin_graphs.stats["cycles"] == fin.stats["cycles"]
     report = graphs.diagnostics()["compile"]["cuda_graphs"]
     assert report["decode"]["replays"]["1"] > 20 and report["replays"]["3"] > 5  # both paths ran
+
+
+def test_a_sampled_plain_step_launched_ahead_of_a_stop_leaves_its_token_processed():
+    """Sampled plain decoding with graphs launches the next in-place step ahead too. It cannot be taken back: a
+    stop leaves every committed token processed (as greedy plain decoding's step ahead does), the head has seen
+    them all, and the next turn reuses them and decodes what a fresh engine decodes."""
+    from engine import DecodeControl
+    from engine.events import Tokens
+
+    ahead, fresh = load_engine(DEMO, cuda_graphs=True), load_engine(DEMO)
+    first = [{"role": "user", "content": "Tell me a story about a cat."}]
+    prompt = ahead.encode_chat(first)
+    control, toks = DecodeControl(0), []
+    settings = GenerationSettings(max_new_tokens=64, depth=0, temperature=0.8, seed=3)
+    for ev in ahead.generate(prompt, settings, control=control):
+        if isinstance(ev, Tokens):
+            toks += ev.token_ids
+            if len(toks) >= 10:
+                control.stop()
+    assert ahead.caches.processed == len(prompt) + len(toks)
+    assert ahead.mtp_drafter.covered + sum(h.shape[1] for h in ahead.mtp_drafter.pending) == len(prompt) + len(toks)
+    second = first + [{"role": "assistant", "content": ahead.tokenizer.decode(toks)},
+                      {"role": "user", "content": "And a dog?"}]
+    a, b = (list(e.generate(e.encode_chat(second), GenerationSettings(max_new_tokens=30, depth=3))) for e in (ahead, fresh))
+    assert [t for e in a if isinstance(e, Tokens) for t in e.token_ids] == \
+        [t for e in b if isinstance(e, Tokens) for t in e.token_ids]
