@@ -315,6 +315,10 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
         same = r.pop("tokens") == reference
         r["identical_to_plain"] = same if sampling is None else None  # sampled texts differ by design
         r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+        # the speculative transaction's own cost: commit (GDN replay) + the MTP head's refresh, per cycle's time
+        cycle_ms = 1e3 * r["mean_accepted_length"] / r["tokens_per_s"] if r["tokens_per_s"] else None
+        own = r["phase_ms"].get("commit", 0.0) + r["phase_ms"].get("refresh", 0.0)
+        r["commit_refresh_share"] = own / cycle_ms if r["depth"] and cycle_ms else None
 
     # transformers' generate() cannot run one shard of a tensor-parallel model: no baseline under --tp
     hf = None if args.no_hf or group is not None else hf_generate(engine, prompt, n, args.repeat)
@@ -357,6 +361,8 @@ def format_table(res: dict) -> str:
     for r in res["results"]:
         pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
         ph = " ".join(f"{k}={v:.2f}" for k, v in sorted(r["phase_ms"].items()))
+        if r.get("commit_refresh_share") is not None:
+            ph += f"  commit+refresh {100 * r['commit_refresh_share']:.0f}% of the cycle"
         lines.append(f"{r['depth']:>5} {r['drafter']:<12} {r.get('mode', ''):<6} {r['tokens_per_s']:>9.1f} {r['speedup'] or 0:>7.2f}x "
                      f"{r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f} "
                      f"{ {True: 'yes', False: 'NO', None: '-'}[r['identical_to_plain']]:>5}  [{pos}] {ph}")

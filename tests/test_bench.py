@@ -27,6 +27,10 @@ def test_bench_json_rows_and_baseline(ckpt, capsys):
     assert full["mean_accepted_length"] > 2.0  # 3 tokens per verify pass, the clipped last cycle aside
     assert none["acceptance_rate"] == 0.0 and none["mean_accepted_length"] == 1.0
     assert "verify" in rows[0, "none"]["phase_ms"] and "draft" in full["phase_ms"]
+    # commit + the MTP head's refresh as a share of the cycle: the mtp row has both, the oracle rows only commit
+    assert rows[0, "none"]["commit_refresh_share"] is None
+    assert 0 < rows[2, "mtp"]["commit_refresh_share"] < 1 and "refresh" in rows[2, "mtp"]["phase_ms"]
+    assert 0 < none["commit_refresh_share"] < 1 and "refresh" not in none["phase_ms"]
     assert out["hf_generate_tokens_per_s"] > 0 and out["plain_vs_hf"] > 0
     assert out["versions"]["torch"] and out["command"].startswith("mtpchat bench")
 

@@ -9,6 +9,14 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
+def own_share(x: dict) -> str:
+    """commit + the MTP head's refresh per cycle, as a share of the cycle's time (speculative rows)."""
+    if not x["depth"] or not x["tokens_per_s"]:
+        return "-"
+    cycle_ms = 1e3 * x["mean_accepted_length"] / x["tokens_per_s"]
+    return f"{100 * (x['phase_ms'].get('commit', 0.0) + x['phase_ms'].get('refresh', 0.0)) / cycle_ms:.0f}%"
+
+
 def table(path: Path) -> str:
     r = json.loads(path.read_text())
     v = r.get("versions", {})
@@ -16,15 +24,15 @@ def table(path: Path) -> str:
             f"(median of {r['repeat']} warm runs); torch {v.get('torch')}, transformers {v.get('transformers')}, "
             f"FLA {v.get('flash-linear-attention') or '-'}, GDN kernels {r.get('backends', {}).get('gdn_recurrent', '?')}; "
             f"`{r.get('command', '')}` (`{path.name}`)")
-    rows = ["| depth | drafter | mode | tok/s | vs plain | acceptance | mean accepted length | same text |",
-            "|---:|---|---|---:|---:|---:|---:|---|"]
+    rows = ["| depth | drafter | mode | tok/s | vs plain | acceptance | mean accepted length | commit + refresh | "
+            "same text |", "|---:|---|---|---:|---:|---:|---:|---:|---|"]
     failed = (r.get("cuda_graphs") or {}).get("failure")
     for x in r["results"]:
         mode = x.get("mode", "eager")
         mode = "eager (graph capture failed)" if failed and mode == "graphs" else mode
         rows.append(f"| {x['depth']} | {x['drafter']} | {mode} | {x['tokens_per_s']:.1f} | "
                     f"{(x.get('speedup') or 0):.2f}x | {x['acceptance_rate']:.2f} | {x['mean_accepted_length']:.2f} | "
-                    f"{ {True: 'yes', False: 'no', None: 'sampled'}[x['identical_to_plain']]} |")
+                    f"{own_share(x)} | { {True: 'yes', False: 'no', None: 'sampled'}[x['identical_to_plain']]} |")
     tail = [f"CUDA graphs: {failed}"] if failed else []
     if r.get("hf_generate_tokens_per_s"):
         tail.append(f"transformers `generate()`: {r['hf_generate_tokens_per_s']:.1f} tok/s "
