@@ -379,8 +379,9 @@ def backend_plan(device: DeviceInfo | None) -> dict[str, dict]:
     sdpa = ("flash / memory-efficient backends on CUDA; decode steps inside CUDA graphs use matmuls + softmax"
             if on_cuda else "math backend on CPU")
     plan["attention"] = {"backend": "torch", "reason": f"torch scaled_dot_product_attention ({sdpa})"}
-    plan["moe"] = {"backend": "torch", "reason": "device-side routing; decode widths as grouped GEMMs over "
-                   "expert-sorted rows on CUDA (after a self-check at load), row-wise batched matmuls elsewhere"}
+    plan["moe"] = {"backend": "torch", "reason": "device-side routing; decode widths through Triton kernels, else "
+                   "grouped GEMMs, on CUDA in 16-bit (the first to pass a self-check at load), row-wise batched "
+                   "matmuls elsewhere"}
     return plan
 
 

@@ -165,7 +165,6 @@ class GraphRunner:
         self.steps = StepGraphs(trunk.device, max_width, trunk.group)
         self.commits = StepGraphs(trunk.device, max_width, trunk.group)  # commit's GDN replay, one graph per n
         self.decodes = StepGraphs(trunk.device, 1, trunk.group)  # plain decoding's in-place step
-        self.kept = torch.zeros(1, max_width, device=trunk.device)  # its width key: kept[:, :n]
         self.compile_failure: str | None = None
         if compile:
             trunk.compiled_block = compile_block()
@@ -180,17 +179,15 @@ class GraphRunner:
         state written in place inside the graph (one replay, one update), and the conv window's copy with it."""
         from .gdn import keep_rows
 
-        def step(kept, pos):
-            keep_rows(state, stash, kept.shape[1], backends)
-            return kept
+        def step(pos):  # captured once per n, with this call's n; it writes in place and returns nothing
+            keep_rows(state, stash, n, backends)
+            return ()
 
-        def warmup(kept, pos):
-            return put_back(state, lambda: step(kept, pos))
+        def warmup(pos):
+            return put_back(state, lambda: step(pos))
 
-        if self.kept.shape[1] < n:  # verify passes wider than max_width (deep drafting) keep more
-            self.kept = torch.zeros(1, n, device=self.kept.device)
         key = (stash.q.data_ptr(), state.recurrent.data_ptr())
-        if self.commits.try_run(key, (self.kept[:, :n],), 0, step, "commit graph", warmup) is None:
+        if self.commits.try_run(key, (), 0, step, "commit graph", warmup, width=n) is None:
             keep_rows(state, stash, n, backends)
 
     def verify(self, tokens: torch.Tensor, pos: int, caches):

@@ -167,7 +167,8 @@ def moe_triton(block, x: torch.Tensor) -> torch.Tensor:
 
 MOE_PATHS = {"rowwise": moe_rowwise, "grouped_mm": moe_grouped, "triton": moe_triton}
 MOE_WHY = {"grouped_mm": "grouped GEMM over expert-sorted rows, weights read in place",
-           "triton": "two Triton GEMV kernels over the routed experts' weights in place, no sort (moe_triton.py)"}
+           "triton": "Triton kernels: top-k routing, then the routed experts' weights read in place, no sort "
+                     "(moe_triton.py)"}
 
 
 def choose_moe(trunk) -> None:
@@ -189,17 +190,16 @@ def moe_check(trunk) -> tuple[str, str]:
         return "rowwise", "row-wise batched matmuls (float32: the exact reference path; the others in 16-bit only)"
     from .moe_triton import available
 
+    missing = {"triton": None if available() else "triton: not installed",
+               "grouped_mm": None if hasattr(torch, "_grouped_mm") else "grouped_mm: not in this torch"}
+    gen = torch.Generator(device=trunk.device).manual_seed(0)
+    x = torch.randn(1, 4, trunk.config.hidden_size, generator=gen, device=trunk.device, dtype=trunk.dtype)
     failures = []
     for path in ("triton", "grouped_mm"):
-        if path == "triton" and not available():
-            failures.append("triton: not installed")
-            continue
-        if path == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
-            failures.append("grouped_mm: not in this torch")
+        if missing[path]:
+            failures.append(missing[path])
             continue
         try:
-            gen = torch.Generator(device=trunk.device).manual_seed(0)
-            x = torch.randn(1, 4, trunk.config.hidden_size, generator=gen, device=trunk.device, dtype=trunk.dtype)
             with torch.inference_mode():
                 a, b = MOE_PATHS[path](layer.mlp, x).float(), moe_rowwise(layer.mlp, x).float()
             err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()

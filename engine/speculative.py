@@ -77,19 +77,30 @@ def abandon(caches, drafter, e: BaseException, stepped: bool) -> None:
         raise RuntimeError(f"out of memory after a decoding step: {str(e).splitlines()[0][:160]}") from e
 
 
-def plain_step(trunk, caches, drafter, req: Request) -> torch.Tensor | None:
-    """Launch plain decoding's in-place graph step for the last committed token, read on the device. Returns its
-    greedy token (a copy: the graph's outputs are static), or None when the step has no graph."""
+def decode_step(trunk, caches, drafter, inp: torch.Tensor):
+    """Plain decoding's in-place graph step over the last committed token inp [1, 1] -> (hidden, logits, argmax),
+    static; None when the step has no graph. The replay writes the state (all or nothing), so the token counts
+    as processed at once, and the head observes its hidden state at once: a step is never taken back."""
     caches.kv.reserve(1)
-    stepped = trunk.graphs.decode(req.seq[req.length - 1 : req.length].unsqueeze(0), caches.processed, caches)
-    if stepped is None:
-        return None
-    caches.advance(1)  # the replay wrote the state (all or nothing): the token counts as processed now
-    hidden, _, argmax = stepped
-    if drafter is not None:
-        drafter.rollback()
-        drafter.observe(hidden.clone())  # see cycle(): the head runs over it only after a depth change
-    return argmax.clone()
+    stepped = trunk.graphs.decode(inp, caches.processed, caches)
+    if stepped is not None:
+        caches.advance(1)
+        if drafter is not None:
+            drafter.rollback()
+            drafter.observe(stepped[0].clone())  # see finish(): the head runs over it only after a depth change
+    return stepped
+
+
+def plain_step(trunk, caches, drafter, req: Request) -> torch.Tensor | None:
+    """decode_step for the last committed token, read on the device. Returns its greedy token (a copy: the graph's
+    outputs are static), or None when the step has no graph."""
+    stepped = decode_step(trunk, caches, drafter, req.seq[req.length - 1 : req.length].unsqueeze(0))
+    return None if stepped is None else stepped[2].clone()
+
+
+def runs_plain_ahead(trunk, req: Request, depth: int) -> bool:
+    """Greedy plain decoding with graphs runs one step ahead of the host itself (plain_ahead)."""
+    return depth == 0 and req.sampling.greedy and trunk.graphs is not None
 
 
 def start_read(values: torch.Tensor, req: Request):
@@ -171,17 +182,12 @@ def launch(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer) 
         drafts, q = drafter.propose(seq, k, timer, req) if k > 0 else (seq[:0], None)
         with timer.phase("verify"):
             inp = (torch.cat([seq[-1:], drafts]) if k else seq[-1:]).unsqueeze(0)
-            caches.kv.reserve(k + 1)
-            out = trunk.graphs.decode(inp, caches.processed, caches) if k == 0 and trunk.graphs is not None else None
-            if out is not None:  # the replay wrote the state (all or nothing): t_n is processed now
-                stepped = True
-                caches.advance(1)
-                hidden, logits, _ = out
-                packed = None
-                if drafter is not None:  # observed now: a launched step is not taken back (see plain_step)
-                    drafter.rollback()
-                    drafter.observe(hidden.clone())
+            out = decode_step(trunk, caches, drafter, inp) if k == 0 and trunk.graphs is not None else None
+            stepped = out is not None
+            if stepped:
+                (hidden, logits, _), packed = out, None
             else:
+                caches.kv.reserve(k + 1)
                 hidden, logits, packed = verify_pass(trunk, caches, inp)
         with timer.phase("accept"):
             if not req.sampling.greedy:
@@ -215,8 +221,7 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
     launched, req.launched = req.launched, None
     if isinstance(launched, Exception):  # raised by the launch ahead, after that cycle's tokens were handed out
         raise launched
-    if launched is None and (req.ahead is not None or (depth == 0 and req.sampling.greedy and
-                                                       trunk.graphs is not None)):
+    if launched is None and (req.ahead is not None or runs_plain_ahead(trunk, req, depth)):
         done = plain_ahead(trunk, caches, drafter, req, depth, timer)  # a depth change applies after its step
         if done is not None:
             return done
@@ -224,7 +229,7 @@ def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
         timer.start_cycle()
         launched = launch(trunk, caches, drafter, req, depth, timer)
     out, sources, stats = finish(trunk, caches, drafter, req, launched, timer)
-    if req.finish is None and trunk.graphs is not None and not (depth == 0 and req.sampling.greedy):
+    if req.finish is None and trunk.graphs is not None and not runs_plain_ahead(trunk, req, depth):
         try:
             req.launched = launch(trunk, caches, drafter, req, depth, timer)
         except Exception as e:  # raised on the next call: this cycle's tokens are committed and go out first
