@@ -1,5 +1,5 @@
 """Projections that read the same input, as one matmul: GDN's input projections (4 in Qwen3.5, 2 in Qwen3-Next),
-attention's q / k / v, the MLP's gate / up. At batch 1 each projection is a matrix-vector product whose cost is
+attention's q / k / v, the MLP's gate / up, the MoE router and the shared expert's gate. At batch 1 each projection is a matrix-vector product whose cost is
 reading its weight, plus a fixed launch and ramp-up; the small ones (GDN's b and a: 48 rows) are almost only that.
 One read of the concatenated weight does the same work with a quarter to a half of the launches.
 
@@ -19,6 +19,7 @@ GROUPS = (
     ("self_attn", ("q_proj", "k_proj", "v_proj")),
     ("mlp", ("gate_proj", "up_proj")),
     ("mlp.shared_expert", ("gate_proj", "up_proj")),
+    ("mlp", ("gate", "shared_expert_gate")),  # MoE: the router and the shared expert's gate (1 row)
 )
 
 
@@ -30,7 +31,7 @@ def fuse_layer(layer: torch.nn.Module) -> None:
         if module is None or not all(hasattr(module, n) for n in names):
             continue
         linears = [getattr(module, n) for n in names]
-        if any(lin.bias is not None for lin in linears):
+        if any(getattr(lin, "bias", None) is not None for lin in linears):  # (the router has none)
             continue
         fused = torch.cat([lin.weight for lin in linears])
         start = 0

@@ -10,16 +10,26 @@ H200's bandwidth. Here each pair reads its expert's rows in place, where they li
   2. down: one program per (token, block of output rows): the token's k pairs in routing order,
      sum of weight * (down[e] @ act), float32 accumulation, written once (no atomics).
 
+When the router and the shared expert's sigmoid gate were fused into one matmul (fusion.py) and the shared
+expert has the routed experts' shape, the shared expert runs in the same two kernels: it is one more pair per
+token (expert id -1: its own weight pointers) whose weight is sigmoid(gate logit), computed by the routing
+kernel. That removes the shared expert's two matmuls, its activation, the gate's dot product and the sum: six
+launches of tiny kernels per layer (Qwen3-Next-80B: 12 of 48 layers measured 0.2 ms of 1.4 per step in them).
+
 Deterministic, and a token's routed output does not depend on which other tokens share the batch: every program
 computes one pair or one token with the same code whatever N is (N only sizes the grid), so a verify pass
 gives its rows what decoding them one at a time gives. Tokens that share an expert read its tiles from programs
 launched side by side (the pair / token index is the grid's fastest axis), so the repeat mostly hits L2.
 
 The kernels sit behind the custom op mtpchat::moe_experts, so torch.compile traces through (fullgraph) and CUDA
-graphs capture them. Block sizes are fixed (no autotuning: nothing to run at capture time).
+graphs capture them. Block sizes are autotuned per shape (H, I, k) on the first call, which the engine makes
+at load (model.moe_check's self-check), long before any capture; the width N is not in the key, so every width
+runs the same configuration and rows stay batch-invariant.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -32,15 +42,14 @@ try:
 except ImportError:  # CPU-only installs: the module still imports, available() says no
     triton = None
 
-# kernel 1: 16 intermediate rows (x2: gate and up) by 256 hidden columns a step. Rows of 512 contiguous bytes
-# (bf16) coalesce, and at the 80B shape (I = 512) one token's 10 pairs make 320 programs: a few per SM of the
-# H200's 132, enough loads in flight to stream the weights.
-GATE_UP_BLOCK_I, GATE_UP_BLOCK_H = 16, 256
-# kernel 2: 8 output rows by up to 512 intermediate columns (a whole expert row at the 80B shape). H = 2048 gives
-# 256 programs for a single token; the loop over the k pairs is unrolled (k is a compile-time constant), so the
-# loads of later pairs are issued before the earlier ones are summed.
-DOWN_BLOCK_H, DOWN_BLOCK_I = 8, 512
-NUM_WARPS = 4
+# kernel 1: BLOCK_I intermediate rows (x2: gate and up) by BLOCK_H hidden columns a step; kernel 2: BLOCK_H output
+# rows by up to BLOCK_I intermediate columns. The first configuration of each was the fixed one before autotuning
+# (H200, 80B shape: about 2.5 TB/s): 16 x 256 makes rows of 512 contiguous bytes (bf16) that coalesce, and one
+# token's 10 pairs 320 programs; the others trade program count against bytes in flight per program.
+GATE_UP_CONFIGS = [(16, 256, 4), (8, 256, 4), (8, 512, 4), (4, 512, 4), (16, 512, 8), (32, 256, 8)]
+DOWN_CONFIGS = [(8, 512, 4), (4, 512, 4), (16, 512, 8), (8, 256, 4), (16, 256, 4)]
+# Triton's interpreter (CPU tests) cannot time configurations: one configuration, nothing benchmarked
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["silu"]) modules
 
 
@@ -49,18 +58,28 @@ def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
+def _configs(sets, names):
+    sets = sets[:1] if INTERPRET else sets
+    return [triton.Config(dict(zip(names, s[:2])), num_warps=s[2]) for s in sets]
+
+
 if triton is not None:
 
+    @triton.autotune(_configs(GATE_UP_CONFIGS, ("BLOCK_I", "BLOCK_H")), key=["H", "I", "K"])
     @triton.jit
-    def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, act_ptr, stride_xn, stride_we, stride_wr,
+    def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, shared_ptr, act_ptr, stride_xn, stride_we, stride_wr,
                         K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                         BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-        pair = tl.program_id(0)
+        pair = tl.program_id(0)  # K pairs per token: its routed experts, then the shared expert if inline
         token = pair // K
         e = tl.load(idx_ptr + pair)  # int64: e * stride_we overflows int32 for large expert tensors
+        if e >= 0:
+            base = w_ptr + e * stride_we
+        else:  # the shared expert: its own [2I, H] weight, rows laid out like a routed expert's
+            base = shared_ptr
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         cols = tl.arange(0, BLOCK_H)
-        gate_ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wr + cols[None, :]
+        gate_ptrs = base + rows[:, None] * stride_wr + cols[None, :]
         up_ptrs = gate_ptrs + I * stride_wr  # the up rows follow the I gate rows
         # element-wise accumulation, one reduction at the end: no cross-thread reduction inside the loop
         acc_gate = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
@@ -74,8 +93,9 @@ if triton is not None:
         gate, up = tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1)
         tl.store(act_ptr + pair * I + rows, gate * tl.sigmoid(gate) * up, mask=rows < I)
 
+    @triton.autotune(_configs(DOWN_CONFIGS, ("BLOCK_H", "BLOCK_I")), key=["H", "I", "K"])
     @triton.jit
-    def _down_kernel(act_ptr, idx_ptr, weights_ptr, w_ptr, out_ptr, stride_we, stride_wr, stride_on,
+    def _down_kernel(act_ptr, idx_ptr, weights_ptr, w_ptr, shared_ptr, out_ptr, stride_we, stride_wr, stride_on,
                      K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
         token = tl.program_id(0)
@@ -86,7 +106,11 @@ if triton is not None:
             pair = token * K + j
             e = tl.load(idx_ptr + pair)
             weight = tl.load(weights_ptr + pair)
-            ptrs = w_ptr + e * stride_we + rows[:, None] * stride_wr + cols[None, :]
+            if e >= 0:
+                base = w_ptr + e * stride_we
+            else:
+                base = shared_ptr
+            ptrs = base + rows[:, None] * stride_wr + cols[None, :]
             for i0 in tl.static_range(0, I, BLOCK_I):
                 col_ok = i0 + cols < I
                 mask = (rows[:, None] < H) & col_ok[None, :]
@@ -95,13 +119,12 @@ if triton is not None:
         out = tl.sum(acc, axis=1)
         tl.store(out_ptr + token * stride_on + rows, out.to(out_ptr.dtype.element_ty), mask=rows < H)
 
-
     @triton.jit
     def _route_kernel(logits_ptr, weights_ptr, idx_ptr, stride_l, E: tl.constexpr, K: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
         # one program per row: float32 softmax over the E router logits, then K rounds of argmax, each round
         # masking out the expert it took; what torch.softmax + torch.topk (a sort) + the renormalisation do in
-        # four kernels
+        # four kernels. SHARED: logit E is the shared expert's gate; its pair (id -1) follows the K routed ones
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_E)
         x = tl.load(logits_ptr + row * stride_l + cols, mask=cols < E, other=-float("inf")).to(tl.float32)
@@ -117,70 +140,97 @@ if triton is not None:
             p = tl.where(cols == best, -1.0, p)
         if NORM:
             weights = weights / tl.sum(weights, 0)
-        tl.store(weights_ptr + row * K + slots, weights, mask=slots < K)
-        tl.store(idx_ptr + row * K + slots, ids, mask=slots < K)
+        KP: tl.constexpr = K + SHARED
+        tl.store(weights_ptr + row * KP + slots, weights, mask=slots < K)
+        tl.store(idx_ptr + row * KP + slots, ids, mask=slots < K)
+        if SHARED:
+            gate = tl.load(logits_ptr + row * stride_l + E).to(tl.float32)
+            tl.store(weights_ptr + row * KP + K, tl.sigmoid(gate))
+            tl.store(idx_ptr + row * KP + K, -1)
 
 
-def route(logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing of router logits [N, E]: (weights [N, k] float32, expert ids [N, k] int64), as
-    engine.model.route computes them, in one kernel."""
-    N, E = logits.shape
-    weights = torch.empty(N, k, device=logits.device, dtype=torch.float32)
-    idx = torch.empty(N, k, device=logits.device, dtype=torch.int64)
+def route(logits: torch.Tensor, E: int, k: int, norm: bool, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of router logits [N, E (+1: the shared expert's gate logit, with shared)]: (weights
+    [N, k (+1)] float32, expert ids [N, k (+1)] int64), as engine.model.route computes them, in one kernel; the
+    shared pair's weight is sigmoid(gate logit), its id -1."""
+    N = logits.shape[0]
+    kp = k + int(shared)
+    weights = torch.empty(N, kp, device=logits.device, dtype=torch.float32)
+    idx = torch.empty(N, kp, device=logits.device, dtype=torch.int64)
     if N:
         _route_kernel[(N,)](logits, weights, idx, logits.stride(0), E=E, K=k, BLOCK_E=triton.next_power_of_2(E),
-                            BLOCK_K=triton.next_power_of_2(k), NORM=norm, num_warps=4)
+                            BLOCK_K=triton.next_power_of_2(k), NORM=norm, SHARED=shared, num_warps=4)
     return weights, idx
 
 
 def launch(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-           down: torch.Tensor) -> torch.Tensor:
-    """Routed experts' weighted sum [N, H] for rows h [N, H], expert ids idx [N, k], routing weights [N, k].
-    gate_up [E, 2I, H], down [E, H, I]: rows contiguous (last stride 1), any other strides."""
+           down: torch.Tensor, shared_gate_up: torch.Tensor | None = None,
+           shared_down: torch.Tensor | None = None) -> torch.Tensor:
+    """Experts' weighted sum [N, H] for rows h [N, H], expert ids idx [N, K] (-1: the shared expert), routing
+    weights [N, K]. gate_up [E, 2I, H], down [E, H, I]: rows contiguous (last stride 1), any other strides; the
+    shared expert's [2I, H] and [H, I] with the same row strides."""
     N, H = h.shape
     K = idx.shape[1]
     I = down.shape[2]
     assert gate_up.shape[1:] == (2 * I, H) and down.shape[1] == H, (gate_up.shape, down.shape)
     assert gate_up.stride(-1) == 1 and down.stride(-1) == 1, "expert rows must be contiguous"
+    if shared_gate_up is None:  # no shared pair: any valid pointer (never read)
+        shared_gate_up, shared_down = gate_up, down
+    else:
+        assert shared_gate_up.shape == gate_up.shape[1:] and shared_down.shape == down.shape[1:]
+        assert shared_gate_up.stride() == gate_up.stride()[1:] and shared_down.stride() == down.stride()[1:]
     h, idx, weights = h.contiguous(), idx.contiguous(), weights.float().contiguous()
     act = torch.empty(N * K, I, device=h.device, dtype=torch.float32)
     out = torch.empty(N, H, device=h.device, dtype=h.dtype)
     if N == 0:
         return out
-    block_i, block_h = min(GATE_UP_BLOCK_I, triton.next_power_of_2(I)), min(GATE_UP_BLOCK_H, triton.next_power_of_2(H))
-    _gate_up_kernel[(N * K, triton.cdiv(I, block_i))](
-        h, idx, gate_up, act, h.stride(0), gate_up.stride(0), gate_up.stride(1),
-        K=K, H=H, I=I, BLOCK_I=block_i, BLOCK_H=block_h, num_warps=NUM_WARPS,
-    )
-    block_h, block_i = min(DOWN_BLOCK_H, triton.next_power_of_2(H)), min(DOWN_BLOCK_I, triton.next_power_of_2(I))
-    _down_kernel[(N, triton.cdiv(H, block_h))](
-        act, idx, weights, down, out, down.stride(0), down.stride(1), out.stride(0),
-        K=K, H=H, I=I, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=NUM_WARPS,
-    )
+    _gate_up_kernel[lambda meta: (N * K, triton.cdiv(I, meta["BLOCK_I"]))](
+        h, idx, gate_up, shared_gate_up, act, h.stride(0), gate_up.stride(0), gate_up.stride(1), K=K, H=H, I=I)
+    _down_kernel[lambda meta: (N, triton.cdiv(H, meta["BLOCK_H"]))](
+        act, idx, weights, down, shared_down, out, down.stride(0), down.stride(1), out.stride(0), K=K, H=H, I=I)
     return out
 
 
 @torch.library.custom_op("mtpchat::moe_experts", mutates_args=())
 def moe_experts(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, k: int,
-                norm: bool) -> torch.Tensor:
-    """The routed part of the MoE for rows h [N, H] with router logits [N, E]: routing and the experts."""
-    weights, idx = route(logits, k, norm)
-    return launch(h, idx, weights, gate_up, down)
+                norm: bool, shared_gate_up: torch.Tensor | None = None,
+                shared_down: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed part of the MoE for rows h [N, H] with router logits [N, E]: routing and the experts. With the
+    shared expert's weights, logits [N, E + 1] end with its gate logit and its gated output is included."""
+    shared = shared_gate_up is not None
+    weights, idx = route(logits, gate_up.shape[0], k, norm, shared)
+    return launch(h, idx, weights, gate_up, down, shared_gate_up, shared_down)
 
 
 @moe_experts.register_fake
-def _(h, logits, gate_up, down, k, norm):
+def _(h, logits, gate_up, down, k, norm, shared_gate_up=None, shared_down=None):
     return h.new_empty(h.shape)
 
 
+def inline_shared(block) -> bool:
+    """The shared expert can run as one more pair in the kernels: its gate logit comes out of the router's matmul
+    (fusion.py fused them), its gate / up are one weight, and it has the routed experts' shape and activation."""
+    shared, experts = block.shared_expert, block.experts
+    return (getattr(block, "fused_names", None) == ("gate", "shared_expert_gate")
+            and getattr(shared, "fused_names", None) == ("gate_proj", "up_proj")
+            and shared.fused_weight.shape == experts.gate_up_proj.shape[1:]
+            and shared.down_proj.weight.shape == experts.down_proj.shape[1:]
+            and type(shared.act_fn).__name__ in SILU)
+
+
 def moe_triton(block, x: torch.Tensor) -> torch.Tensor:
-    """What moe_rowwise(block, x) computes, x [1, N, H], through the three kernels above plus the router's and
-    the shared expert's matmuls."""
+    """What moe_rowwise(block, x) computes, x [1, N, H], through the kernels above plus the router's matmul (and
+    the shared expert's, when it cannot run inside them)."""
     experts, router = block.experts, block.gate
     if type(experts.act_fn).__name__ not in SILU:  # the kernel's activation is SiLU (Qwen3-Next / 3.5)
         raise ValueError(f"moe_triton supports SiLU experts only, not {type(experts.act_fn).__name__}")
     h = x.reshape(-1, x.shape[-1])
-    y = moe_experts(h, F.linear(h, router.weight), experts.gate_up_proj, experts.down_proj, router.top_k,
-                    bool(getattr(router, "norm_topk_prob", True)))
+    k, norm = router.top_k, bool(getattr(router, "norm_topk_prob", True))
+    if inline_shared(block):  # one matmul for the router and the shared gate, then the three kernels
+        shared = block.shared_expert
+        y = moe_experts(h, F.linear(h, block.fused_weight), experts.gate_up_proj, experts.down_proj, k, norm,
+                        shared.fused_weight, shared.down_proj.weight)
+        return y.view(x.shape)
+    y = moe_experts(h, F.linear(h, router.weight), experts.gate_up_proj, experts.down_proj, k, norm)
     shared = dense_mlp(block.shared_expert, h) * torch.sigmoid(block.shared_expert_gate(h))
     return (y + shared).view(x.shape)

@@ -46,6 +46,18 @@ def moe_block(shape: dict, dtype, device, seed: int = 0):
     return block
 
 
+def fused(block):
+    """The block as the engine runs it: fusion.py's router + shared gate and shared gate / up concatenations
+    (fuse_layer takes a decoder layer: a module whose `mlp` is the block)."""
+    from engine.fusion import fuse_layer
+
+    layer = torch.nn.Module()
+    layer.mlp = block
+    fuse_layer(layer)
+    assert moe_triton_module.inline_shared(block)
+    return block
+
+
 def rows(block, n: int, seed: int = 1):
     gen = torch.Generator(device=block.gate.weight.device).manual_seed(seed)
     h = block.gate.weight.shape[1]
@@ -79,6 +91,31 @@ def test_bf16_matches_rowwise_at_the_80b_shape(block_80b, device, n):
 
 
 @gpu
+@pytest.mark.parametrize("n", [1, 4])
+def test_the_shared_expert_inside_the_kernels_matches_rowwise(device, n):
+    """fusion.py's router + shared-gate matmul: the shared expert becomes one more pair in the kernels (id -1,
+    weight sigmoid(gate logit)); the row-wise reference still computes it on its own."""
+    block = fused(moe_block(SMALL, torch.float32, device))
+    x = rows(block, n)
+    with torch.inference_mode():
+        assert rel_err(moe_triton(block, x), moe_rowwise(block, x)) < 1e-5
+        h = x[0]
+        logits = torch.nn.functional.linear(h, block.fused_weight)
+        weights, idx = moe_triton_module.route(logits, block.experts.gate_up_proj.shape[0], block.gate.top_k, True,
+                                               shared=True)
+    assert (idx[:, -1] == -1).all() and (idx[:, :-1] >= 0).all()
+    torch.testing.assert_close(weights[:, -1], torch.sigmoid(logits[:, -1]))
+
+
+@gpu
+def test_bf16_shared_expert_inside_the_kernels_at_the_80b_shape(device):
+    block = fused(moe_block(SHAPE_80B, torch.bfloat16, device, seed=3))
+    x = rows(block, 1 if device.type == "cpu" else 3)
+    with torch.inference_mode():
+        assert rel_err(moe_triton(block, x), moe_rowwise(block, x)) < 2e-2
+
+
+@gpu
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_float32_matches_rowwise(device, n):
     block = moe_block(SMALL, torch.float32, device)
@@ -90,19 +127,22 @@ def test_float32_matches_rowwise(device, n):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_routed_rows_do_not_depend_on_the_batch(device, dtype):
-    """Bit for bit: a verify pass's rows equal decoding them one at a time (the routed experts; the shared
-    expert is torch's matmul, whose kernel choice may depend on the width)."""
+@pytest.mark.parametrize("inline", [False, True])
+def test_routed_rows_do_not_depend_on_the_batch(device, dtype, inline):
+    """Bit for bit: a verify pass's rows equal decoding them one at a time (the routed experts, and the shared
+    expert when it runs inside the kernels; torch's matmul for the logits is given the same rows)."""
     block = moe_block(SMALL, dtype, device)
+    block = fused(block) if inline else block
     h = rows(block, 5)[0]
-    experts = block.experts
+    experts, shared = block.experts, block.shared_expert
+    extra = (shared.fused_weight, shared.down_proj.weight) if inline else ()
     with torch.inference_mode():
-        logits = torch.nn.functional.linear(h, block.gate.weight)
+        logits = torch.nn.functional.linear(h, block.fused_weight if inline else block.gate.weight)
         k = block.gate.top_k
-        whole = moe_triton_module.moe_experts(h, logits, experts.gate_up_proj, experts.down_proj, k, True)
+        whole = moe_triton_module.moe_experts(h, logits, experts.gate_up_proj, experts.down_proj, k, True, *extra)
         for i in range(h.shape[0]):
             one = moe_triton_module.moe_experts(h[i:i + 1], logits[i:i + 1], experts.gate_up_proj,
-                                                experts.down_proj, k, True)
+                                                experts.down_proj, k, True, *extra)
             assert torch.equal(one, whole[i:i + 1])
 
 
@@ -114,7 +154,7 @@ def test_routing_kernel_picks_what_softmax_and_topk_pick(block_80b, device, n):
     with torch.inference_mode():
         weights, idx = route(block, h)
         logits = torch.nn.functional.linear(h, block.gate.weight)
-        got_w, got_idx = moe_triton_module.route(logits, block.gate.top_k, True)
+        got_w, got_idx = moe_triton_module.route(logits, logits.shape[1], block.gate.top_k, True)
     order, got_order = idx.sort(-1), got_idx.sort(-1)
     assert torch.equal(order.values, got_order.values)  # the same experts (the kernel's order: by weight too)
     torch.testing.assert_close(got_w.gather(-1, got_order.indices), weights.gather(-1, order.indices),
@@ -122,8 +162,10 @@ def test_routing_kernel_picks_what_softmax_and_topk_pick(block_80b, device, n):
 
 
 @gpu
-def test_compiles_fullgraph(device):
+@pytest.mark.parametrize("inline", [False, True])
+def test_compiles_fullgraph(device, inline):
     block = moe_block(SMALL, torch.bfloat16, device)
+    block = fused(block) if inline else block
     x = rows(block, 3)
     backend = "inductor" if device.type == "cuda" else "aot_eager"
     compiled = torch.compile(lambda x: moe_triton(block, x), fullgraph=True, backend=backend)
