@@ -132,11 +132,13 @@ def collective_share(engine: Engine, prompt, n: int) -> dict:
 
 def hf_generate(engine: Engine, prompt, n: int, repeat: int) -> float | None:
     import torch
+    from engine.norm_triton import stock_forward
+
     lm, dev = engine.trunk.lm, engine.trunk.device
     ids = torch.tensor([prompt], device=dev)
     times = []
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), stock_forward(lm.modules()):  # transformers' own norms, not our kernel
             for i in range(repeat + 1):
                 _sync(dev)
                 t0 = time.perf_counter()

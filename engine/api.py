@@ -151,6 +151,10 @@ class Engine:
         if self.graph_runner is not None and self.graph_runner.decodes.failure:
             out.append(Fallback("cuda_graphs", f"{self.graph_runner.decodes.failure}: plain decoding verifies one "
                                                f"token and commits it (the verify graph)"))
+        runner = self.graph_runner
+        if runner is not None and runner.refreshing.failure and not runner.steps.failure:
+            out.append(Fallback("cuda_graphs", f"{self.graph_runner.refreshing.failure}: the MTP head refreshes "
+                                               f"in a graph of its own after each verify pass"))
         if settings.depth > 0 or drafter is not None:
             if drafter is None and self.mtp_drafter is None:
                 out += [f for f in self.loaded.fallbacks if f.feature == "speculation"]

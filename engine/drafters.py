@@ -16,7 +16,12 @@ from .sampling import probabilities, sample
 class MTPDrafter:
     """The checkpoint's own MTP head. Its cache only ever holds verified positions: every proposal first runs
     the head over positions it has not seen (priming after a prefill, refresh after a verify), with the trunk's
-    hiddens and the shifted tokens, then chains k - 1 speculative steps that are dropped before the next cycle."""
+    hiddens and the shifted tokens, then chains k - 1 speculative steps that are dropped before the next cycle.
+
+    Greedy decoding with graphs refreshes inside the trunk's verify graph instead (refresh_verified): the head
+    runs over every verified position with the target's tokens, and commit keeps the accepted prefix of it
+    (refreshed), as the trunk keeps a prefix of its verify pass. The next cycle's first draft is then ready
+    without a launch of its own."""
 
     name = "mtp"
 
@@ -63,9 +68,28 @@ class MTPDrafter:
         self.covered = 0  # positions in the MTP cache (all verified)
         self.pending: list[torch.Tensor] = []  # trunk hiddens [1, n, H] of positions covered.. not yet run
         self.last = None  # the latest catch-up's (logits, hidden) at the last verified position
+        self.ready = None  # (first draft [1], hidden [1, 1, H]) from a refresh inside the verify graph
+
+    def refresh_verified(self, hidden: torch.Tensor, packed: torch.Tensor, pos):
+        """The refresh, inside a greedy verify graph: the head over every position of the verify pass, hidden
+        [1, T, H], whose next tokens are the target's (packed: sampling.accept_greedy's [m, targets, drafts]).
+        Row i is correct for i <= m, whatever m turns out to be: the head is causal, the accepted drafts equal
+        the targets, and its KV past the accepted rows is dropped at commit (refreshed). Returns the next cycle's
+        first draft [1] and the head's hidden [1, 1, H] at row m, selected on the device."""
+        T = hidden.shape[1]
+        logits, h = self.head(hidden, packed[1 : T + 1].unsqueeze(0), pos, self.cache, row=packed[:1])
+        return logits[:, -1].argmax(-1), h
+
+    def refreshed(self, n: int, first: torch.Tensor, h: torch.Tensor) -> None:
+        """Commit a refresh_verified: its first n positions are verified. first and h are static graph outputs
+        (copied: a later cycle that fails after its verify replay must not change what a retry proposes)."""
+        self.covered += n
+        self.cache.trim(self.covered)
+        self.pending, self.last, self.ready = [], None, (first.clone(), h.clone())
 
     def observe(self, hidden: torch.Tensor) -> None:
         self.pending.append(hidden)
+        self.ready = None
 
     def rollback(self) -> None:
         """Forget speculative entries; keep what was verified (pending hiddens stay valid)."""
@@ -90,15 +114,20 @@ class MTPDrafter:
     def propose(self, seq_tokens: torch.Tensor, k: int, timer, req=None):
         """k drafts [k] on the device, and their distributions [k, V] when sampling (None when greedy).
         Speculative cache entries stay until rollback()."""
-        with timer.phase("priming" if self.covered == 0 else "refresh"):
-            logits, h = self.catch_up(seq_tokens)
         greedy = req is None or req.sampling.greedy
+        if greedy and self.ready is not None and not self.pending:  # refreshed inside the last verify graph
+            first, h = self.ready
+        else:
+            with timer.phase("priming" if self.covered == 0 else "refresh"):
+                logits, h = self.catch_up(seq_tokens)
+            first = logits.argmax(-1) if greedy else None
         with timer.phase("draft"):
             drafts, qs = [], []
             pos = self.covered  # speculative positions start right after the verified ones
-            self.cache.reserve(k)
+            self.cache.reserve(k + 1)  # (+1: a refresh inside the verify graph writes k + 1 positions)
+            if greedy and k == 1:
+                return first, None
             if greedy and k > 1 and self.chains is not None:
-                first = logits.argmax(-1)
                 chained = self.chain(h, first, pos, k - 1)
                 if chained is not None:
                     return torch.cat([first, chained]), None
@@ -107,7 +136,7 @@ class MTPDrafter:
                     logits, h = self.run_head(h, drafts[-1].view(1, 1), pos + j - 1)
                     logits = logits[:, -1]
                 if greedy:
-                    drafts.append(logits.argmax(-1))
+                    drafts.append(first if j == 0 else logits.argmax(-1))
                 else:  # drafts are sampled from q, the head's distribution after the same processing as p
                     qs.append(probabilities(logits, req.sampling))
                     drafts.append(sample(qs[-1], req.generator))

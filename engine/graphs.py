@@ -164,6 +164,8 @@ class GraphRunner:
         self.trunk = trunk
         self.steps = StepGraphs(trunk.device, max_width, trunk.group)
         self.commits = StepGraphs(trunk.device, max_width, trunk.group)  # commit's GDN replay, one graph per n
+        self.refreshing = StepGraphs(trunk.device, max_width, trunk.group)  # verify + the MTP head's refresh
+        self.splits: dict[int, object] = {}  # width -> the event a refreshing graph records between the two
         self.decodes = StepGraphs(trunk.device, 1, trunk.group)  # plain decoding's in-place step
         self.compile_failure: str | None = None
         if compile:
@@ -173,6 +175,7 @@ class GraphRunner:
         self.steps.reset()
         self.commits.reset()
         self.decodes.reset()
+        self.refreshing.reset()
 
     def keep_rows(self, state, stash, n: int, backends) -> None:
         """gdn.keep_rows as a graph per kept length n: the kernel launch without its Python wrapper's cost, the
@@ -190,32 +193,60 @@ class GraphRunner:
         if self.commits.try_run(key, (), 0, step, "commit graph", warmup, width=n) is None:
             keep_rows(state, stash, n, backends)
 
-    def verify(self, tokens: torch.Tensor, pos: int, caches):
+    def verify(self, tokens: torch.Tensor, pos: int, caches, drafter=None):
         """A verify pass as a graph per width: (hidden, logits, greedy acceptance: sampling.accept_greedy), static
         (read them before the next replay). The lm_head and the acceptance run inside the graph: no launches
-        between the replay and the cycle's one host read. None if it cannot be captured: eager from then on."""
+        between the replay and the cycle's one host read. None if it cannot be captured: eager from then on.
+
+        drafter (greedy only): the MTP head's refresh runs in the same graph (MTPDrafter.refresh_verified), which
+        adds (first draft, head hidden) to the outputs; on CUDA the graph records an event between the two parts
+        (split(width): the phase timer's boundary between verify and refresh). None if that graph cannot be
+        captured: the caller verifies without it (the graph without the head still runs)."""
         from .sampling import accept_greedy
 
         trunk, T = self.trunk, tokens.shape[1]
         stash = caches.stash_for(max(self.steps.max_width, T), trunk)
         key = (caches.kv.k.data_ptr(), stash.q.data_ptr(), caches.gdn.recurrent.data_ptr())
+        split = self.split(T) if drafter is not None else None
 
         def step(tokens, pos):
             hidden = trunk.forward(tokens, pos, caches, verify=True)
             logits = trunk.logits(hidden[0])
-            return hidden, logits, accept_greedy(logits, tokens)
+            packed = accept_greedy(logits, tokens)
+            if drafter is None:
+                return hidden, logits, packed
+            if split is not None:
+                split.record()
+            return hidden, logits, packed, *drafter.refresh_verified(hidden, packed, pos)
 
+        if drafter is not None:
+            out = self.refreshing.try_run(key + (drafter.cache.k.data_ptr(),), (tokens,), pos, step,
+                                          "verify + refresh graph")
+            if out is not None:
+                stash.width = T
+            return out
         out = self.steps.try_run(key, (tokens,), pos, step, "CUDA graph")
         if out is None and trunk.compiled_block is not None:  # maybe the compilation: capture eager layers instead
             self.compile_failure, self.steps.failure = f"{self.steps.failure} with compiled layers: eager layers", None
             trunk.compiled_block = None
             self.steps.reset()
+            self.refreshing.reset()
+            self.refreshing.failure = None  # (its capture failed first, with the same compiled layers)
             out = self.steps.try_run(key, (tokens,), pos, step, "CUDA graph")
         if out is None:  # eager decoding from now on, with the reason on record
             trunk.graphs = None
             return None
         stash.width = T  # the Python side effect of the replayed forward
         return out
+
+    def split(self, width: int):
+        """The timing event a refreshing graph of this width records between verify and refresh (CUDA only: an
+        external event, so that a replay records it again)."""
+        if self.trunk.device.type != "cuda":
+            return None
+        if width not in self.splits:
+            self.splits[width] = torch.cuda.Event(enable_timing=True, external=True)
+        return self.splits[width]
 
     def run(self, tokens: torch.Tensor, pos: int, caches) -> torch.Tensor:
         """The verify pass's hidden states (Trunk.forward with verify=True)."""
@@ -246,5 +277,6 @@ class GraphRunner:
 
     def report(self) -> dict:
         return {**self.steps.report(), "commit": self.commits.report(), "decode": self.decodes.report(),
+                "verify_refresh": self.refreshing.report(),
                 "compiled": self.trunk.compiled_block is not None, "compile_failure": self.compile_failure,
                 "warmup_s": round(self.steps.warmup_s, 1)}

@@ -178,6 +178,14 @@ def choose_moe(trunk) -> None:
         trunk.backends.choice["moe"] = (trunk.backends.moe, why)
 
 
+def choose_norm(backends, modules, device, dtype) -> None:
+    """The plain RMSNorms' forward: one Triton kernel on CUDA in 16-bit (norm_triton.py), else the modules' own."""
+    from .norm_triton import install
+
+    why = install(modules, device, dtype)
+    backends.choice["rmsnorm"] = ("triton" if why.startswith("Triton") else "torch", why)
+
+
 def moe_check(trunk) -> tuple[str, str]:
     """The fastest MoE path whose output matches moe_rowwise's on the first MoE layer: Triton kernels, then
     grouped GEMMs. CUDA only (on the CPU the row-wise form is the exact reference the tests hold)."""
@@ -259,6 +267,7 @@ class Trunk:
         # every way of building a trunk (checkpoint, random weights, a tensor-parallel shard) runs the same steps
         fuse_all(self.layers)
         choose_moe(self)
+        choose_norm(self.backends, self.lm.modules(), self.device, self.dtype)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum partial outputs of row-parallel projections across ranks (identity on one device)."""

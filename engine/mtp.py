@@ -17,6 +17,7 @@ from .errors import EngineError
 from .families import fuse_experts
 from .fusion import fuse_all
 from .model import block
+from .norm_triton import install as install_norms
 
 
 class MTPUnusable(EngineError):
@@ -73,17 +74,20 @@ class MTPHead(nn.Module):
         """Bind the head to the trunk whose embedding and lm_head it uses; fuse its projections (fusion.py)."""
         self.trunk = trunk
         fuse_all(self.layers)
+        install_norms(self.modules(), trunk.device, trunk.dtype)  # as the trunk's (model.choose_norm)
         return self
 
     def new_cache(self) -> KVCache:
         c = self.trunk.config
         return KVCache(1, c.num_key_value_heads, c.head_dim, self.trunk.dtype, self.trunk.device)
 
-    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int, cache: KVCache, last_only: bool = False):
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int, cache: KVCache, last_only: bool = False,
+                row: torch.Tensor | None = None):
         """hidden [1, T, H] at positions pos..pos+T-1, tokens [1, T] = the token after each position.
 
         Returns (logits [1, T, V] float32, post-norm hidden [1, T, H]); with last_only, logits of the last
-        position only (priming a long prompt must not materialise T x vocab logits). Writes KV at pos..pos+T-1.
+        position only (priming a long prompt must not materialise T x vocab logits); with row (a device index [1]),
+        the logits and hidden of that position only. Writes KV at pos..pos+T-1.
         """
         trunk = self.trunk
         e = self.pre_fc_norm_embedding(trunk.embed(tokens))
@@ -91,4 +95,8 @@ class MTPHead(nn.Module):
         cos, sin = trunk.position_embeddings(h, pos, h.shape[1])
         h = block(trunk, self.layers[0], "full_attention", h, pos, cos, sin, cache.layer(0), None)
         out = self.norm(h)
-        return trunk.logits(out[:, -1:] if last_only else out), out
+        if row is not None:
+            out = out.index_select(1, row)
+        elif last_only:
+            out = out[:, -1:]
+        return trunk.logits(out), out

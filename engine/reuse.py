@@ -65,6 +65,7 @@ class TurnCache:
             drafter.covered = snap.mtp_covered
             drafter.cache.trim(snap.mtp_covered)
             drafter.pending = list(snap.mtp_pending)
+            drafter.ready = None
         self.history = self.history[: snap.n]
         self.snapshots = [s for s in self.snapshots if s.n <= snap.n]
 

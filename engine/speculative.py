@@ -150,15 +150,25 @@ def plain_ahead(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTi
     return [tok], [TARGET], Cycle(req.cycles, 0, 0, 0, [], timer.collect(), 1)
 
 
-def verify_pass(trunk, caches, inp: torch.Tensor):
+def verify_pass(trunk, caches, inp: torch.Tensor, drafter=None):
     """The target over inp [1, k + 1] at the processed position, the committed state left alone ->
-    (hidden, logits, greedy acceptance or None when it ran eagerly: the caller computes it)."""
+    (hidden, logits, greedy acceptance or None when it ran eagerly: the caller computes it, the head's refresh
+    (first draft, hidden) or None). drafter: refresh it inside the verify graph (greedy, graphs, MTP head)."""
     if trunk.graphs is not None:
+        out = trunk.graphs.verify(inp, caches.processed, caches, drafter) if drafter is not None else None
+        if out is not None:
+            return *out[:3], out[3:]
         out = trunk.graphs.verify(inp, caches.processed, caches)
         if out is not None:
-            return out
+            return *out, None
     hidden = trunk.forward(inp, caches.processed, caches, verify=True)
-    return hidden, trunk.logits(hidden[0]), None
+    return hidden, trunk.logits(hidden[0]), None, None
+
+
+def refreshes_in_verify(trunk, drafter, req: Request) -> bool:
+    """The head's refresh runs inside the verify graph: greedy (the next tokens are the target's argmax, known
+    on the device) with graphs and the MTP head (see MTPDrafter.refresh_verified)."""
+    return req.sampling.greedy and trunk.graphs is not None and hasattr(drafter, "refresh_verified")
 
 
 @dataclass
@@ -170,6 +180,7 @@ class Launched:
     packed: torch.Tensor  # [m, the target's token per position (k + 1), the drafts (k)]
     ready: object  # the event after which req.host holds `packed` (None on the CPU)
     stepped: bool  # plain decoding's in-place graph step ran: t_n is processed already
+    refreshed: tuple | None = None  # the head refreshed inside the verify graph: (first draft, hidden), static
 
 
 def launch(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer) -> Launched:
@@ -177,7 +188,7 @@ def launch(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer) 
     Leaves the committed state on any exception."""
     k = min(depth, req.max_new - len(req.generated) - 1) if drafter is not None else 0
     seq = req.seq[: req.length]
-    stepped = False
+    stepped, refreshed = False, None
     try:
         drafts, q = drafter.propose(seq, k, timer, req) if k > 0 else (seq[:0], None)
         with timer.phase("verify"):
@@ -188,7 +199,10 @@ def launch(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer) 
                 (hidden, logits, _), packed = out, None
             else:
                 caches.kv.reserve(k + 1)
-                hidden, logits, packed = verify_pass(trunk, caches, inp)
+                head = drafter if k and refreshes_in_verify(trunk, drafter, req) else None
+                hidden, logits, packed, refreshed = verify_pass(trunk, caches, inp, head)
+                if refreshed:
+                    timer.hand_over(trunk.graphs.split(k + 1), "refresh")
         with timer.phase("accept"):
             if not req.sampling.greedy:
                 m, targets = sampling.verify_sampled(logits, drafts, q, req.sampling, req.generator)
@@ -199,7 +213,7 @@ def launch(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer) 
     except BaseException as e:
         abandon(caches, drafter, e, stepped)
         raise
-    return Launched(k, drafts, hidden, packed, ready, stepped)
+    return Launched(k, drafts, hidden, packed, ready, stepped, refreshed)
 
 
 def drop_launched(caches, drafter, req: Request) -> None:
@@ -257,9 +271,13 @@ def finish(trunk, caches, drafter, req: Request, c: Launched, timer: PhaseTimer)
                 caches.commit(m, trunk.backends, trunk.graphs)
                 if drafter is not None:
                     drafter.rollback()
-                    # a copy: with CUDA graphs `hidden` is a static output the next replay overwrites, and at depth
-                    # 0 (or in a reuse snapshot) the drafter holds it across many replays before the head runs
-                    drafter.observe(c.hidden[:, : m + 1].clone())
+                    if c.refreshed:  # the head ran over the verify pass already: keep its accepted prefix
+                        drafter.refreshed(m + 1, *c.refreshed)
+                    else:
+                        # a copy: with CUDA graphs `hidden` is a static output the next replay overwrites, and at
+                        # depth 0 (or in a reuse snapshot) the drafter holds it across many replays before the head
+                        # runs
+                        drafter.observe(c.hidden[:, : m + 1].clone())
             # the committed tokens from the device (no copy to it): packed[1 + i] is the target's token at i; greedy
             # acceptance makes the accepted drafts equal to it, sampling does not
             accepted = sources.count(DRAFT)

@@ -19,17 +19,23 @@ class PhaseTimer:
         self.pending: list[tuple[str, object, object]] = []  # CUDA: (phase, start event, end event)
         self.totals: dict[str, float] = {}
         self.recent: dict[str, float] = {}
+        self.handed: tuple | None = None  # (event, phase): the current phase's time after event counts there
 
     @contextmanager
     def phase(self, name: str):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
+            self.handed = None
             try:
                 yield
             finally:
                 end.record(self.stream)
-                self.pending.append((name, start, end))
+                if self.handed is None:
+                    self.pending.append((name, start, end))
+                else:
+                    (mid, later), self.handed = self.handed, None
+                    self.pending += [(name, start, mid), (later, mid, end)]
         else:
             t0 = time.perf_counter()
             try:
@@ -37,6 +43,12 @@ class PhaseTimer:
             finally:
                 self._add(self.recent, name, (time.perf_counter() - t0) * 1e3)
 
+
+    def hand_over(self, event, name: str) -> None:
+        """Inside phase(): from `event` on (recorded on the device, e.g. inside a CUDA graph that does two
+        phases' work) the time counts as phase `name`. No-op without an event (the CPU: no split)."""
+        if self.cuda and event is not None:
+            self.handed = (event, name)
 
     def _add(self, into: dict, name: str, ms: float) -> None:
         into[name] = into.get(name, 0.0) + ms

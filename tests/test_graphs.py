@@ -48,11 +48,14 @@ def test_replayed_steps_equal_eager_and_replays_are_counted(name, ckpt, engines)
     assert trunk["decode"]["failure"] is None and trunk["decode"]["replays"]["1"] > 5
     # commit's GDN replay (partly accepted verify passes): one graph per kept length, 1 at least
     assert trunk["commit"]["failure"] is None and trunk["commit"]["replays"]["1"] > 5
-    assert mtp["replays"]["1"] > 5  # one-position refreshes (and the sampled path's draft steps)
+    # greedy MTP cycles: the head's refresh inside the verify graph (the oracle's cycles: the graph without it)
+    refreshing = trunk["verify_refresh"]
+    assert refreshing["failure"] is None and all(refreshing["replays"][str(w)] > 5 for w in (2, 4))
+    assert not mtp["replays"]  # the head's own graphs: the sampled path's steps only
     chains = report["mtp_draft_chain_graphs"]  # greedy depth 3: the two steps after the refresh, as one graph
     assert chains["failure"] is None and chains["replays"]["2"] > 5
     if name == "demo":
-        assert sum(mtp["replays"].values()) > mtp["replays"]["1"]  # refreshes over several accepted positions
+        assert sum(trunk["commit"]["replays"].values()) > trunk["commit"]["replays"]["1"]  # drafts were accepted
     captures = (trunk["captures"], mtp["captures"])
     assert run(graphs, prompt, 3)[0] == plain  # a later request re-uses the captured graphs
     again = graphs.diagnostics()["compile"]
@@ -64,11 +67,12 @@ def test_a_longer_request_recaptures_after_the_caches_grow(ckpt, engines):
     graphs = load_engine(str(ckpt("next")), cuda_graphs=True)
     prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     run(graphs, prompt, 2, n=8)
-    before = graphs.diagnostics()["compile"]["cuda_graphs"]["captures"]
+    before = graphs.diagnostics()["compile"]["cuda_graphs"]["verify_refresh"]["captures"]
+    assert before > 0
     long_prompt = prompt * 12  # past the first KV reservation chunk: caches reallocated, graphs re-captured
     tokens, _ = run(graphs, long_prompt, 2, n=40)
     assert tokens == run(eager, long_prompt, 0, n=40)[0]
-    assert graphs.diagnostics()["compile"]["cuda_graphs"]["captures"] > before
+    assert graphs.diagnostics()["compile"]["cuda_graphs"]["verify_refresh"]["captures"] > before
 
 
 def test_a_failed_capture_falls_back_to_eager_steps_with_the_reason(ckpt, engines, monkeypatch):
@@ -128,7 +132,10 @@ def test_plain_steps_before_a_live_depth_change_feed_the_head_what_eager_steps_d
     # with graphs, greedy plain decoding runs one step ahead (plain_ahead): a depth change applies a token later
     eager, graphs = run(load_engine(DEMO), 13), run(load_engine(DEMO, cuda_graphs=True), 12)
     assert eager[0] and eager[0][0][1] > 0
-    assert eager[1].shape == graphs[1].shape and torch.allclose(eager[1], graphs[1], atol=1e-5)
+    # the head's cache over the positions both cover (the graphs' refresh inside the verify pass covers the last
+    # cycle's positions at its commit; the eager head covers them when it next drafts)
+    n = eager[1].shape[2]
+    assert graphs[1].shape[2] >= n and torch.allclose(eager[1], graphs[1][:, :, :n], atol=1e-5)
     assert graphs[0] == eager[0]
 
 
@@ -179,7 +186,7 @@ def test_a_cycle_launched_ahead_of_a_stop_is_dropped_and_the_next_turn_is_exact(
     assert fin.reason == "stop" and fin.stats["accepted"] > 0
     # each cycle reports its own draft and verify, recorded by the call that launched it
     assert all({"draft", "verify", "commit"} <= set(c.phase_ms) for c in cycles)
-    verifies = sum(ahead.graph_runner.steps.replays.values())
+    verifies = sum(ahead.graph_runner.refreshing.replays.values())  # greedy MTP: verify + refresh graphs
     assert verifies == fin.stats["cycles"] + 1  # one launched ahead, never finished
     assert ahead.caches.processed == len(prompt) + len(toks) - 1  # the finished cycles' tokens, the last unprocessed
     assert ahead.mtp_drafter.cache.length == ahead.mtp_drafter.covered  # its speculative entries rolled back
@@ -260,3 +267,28 @@ def test_a_sampled_plain_step_launched_ahead_of_a_stop_leaves_its_token_processe
     a, b = (list(e.generate(e.encode_chat(second), GenerationSettings(max_new_tokens=30, depth=3))) for e in (ahead, fresh))
     assert [t for e in a if isinstance(e, Tokens) for t in e.token_ids] == \
         [t for e in b if isinstance(e, Tokens) for t in e.token_ids]
+
+
+def test_the_refresh_inside_the_verify_graph_keeps_the_head_cache_causal():
+    """Greedy MTP cycles with graphs run the head over every verified position inside the verify graph and keep
+    the accepted prefix: after many partly accepted cycles its cache equals one causal pass over the committed
+    sequence (DESIGN.md's refresh invariant), with no refresh of its own run."""
+    graphs = load_engine(DEMO, cuda_graphs=True)
+    prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    tokens, fin = run(graphs, prompt, 3, n=40)
+    assert fin.stats["accepted"] > 0 and fin.stats["drafted"] > fin.stats["accepted"]  # full and partial cycles
+    # every cycle but the last, whose one token (k = 0) is plain decoding's step: the head only observes it
+    assert sum(graphs.graph_runner.refreshing.replays.values()) == fin.stats["cycles"] - 1
+    mtp, n = graphs.mtp_drafter, graphs.caches.processed
+    assert mtp.covered == n - 1 and mtp.pending[0].shape[1] == 1
+    seq = torch.tensor(prompt + tokens)
+    with torch.inference_mode():
+        fresh = graphs.trunk.new_caches()
+        fresh.kv.reserve(n)
+        hidden = graphs.trunk.forward(seq[:n].unsqueeze(0), 0, fresh, verify=False)
+        cache = graphs.loaded.mtp.new_cache()
+        cache.reserve(n)
+        graphs.loaded.mtp(hidden, seq[1 : n + 1].unsqueeze(0), 0, cache)
+    c = mtp.covered
+    torch.testing.assert_close(mtp.cache.k[:, :, :c], cache.k[:, :, :c], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mtp.cache.v[:, :, :c], cache.v[:, :, :c], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,169 @@
+"""Qwen3-Next / Qwen3.5 RMSNorm (zero-centred weight: the checkpoints store weight - 1) as one Triton kernel, for CUDA.
+
+transformers' eager forward is about seven kernels (cast, pow, mean, add + rsqrt, mul, 1 + weight, mul, cast). The
+engine runs its CUDA graphs without torch.compile by default, so each is a graph node of ~2 us, and at batch 1 the
+norms (two per layer, plus q / k norms per head) are a large share of a step's kernels. Here: one program per row,
+float32 accumulation, the same order of operations as the reference, the output in x's dtype.
+
+The kernel sits behind the custom op mtpchat::rms_norm. install() swaps it into modules' forward, except while
+torch.compile traces: inductor fuses the eager math with its neighbours better than it can an opaque op. Block
+sizes and warps are picked from D (no autotuning: nothing to benchmark when first called in a graph warm-up).
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+from typing import Iterable
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the module still imports, available() says no
+    triton = None
+
+MAX_BLOCK = 8192  # a whole row in registers up to here (Qwen3-Next hidden sizes: 2048, 4096, 5120); loops above
+SELF_CHECK_TOL = 2e-2  # max abs error / max abs of the reference, on a random [3, D] input
+
+
+def available() -> bool:
+    """Triton importable and a CUDA device present."""
+    return triton is not None and torch.cuda.is_available()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, eps, D: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # row * stride overflows int32 for long prefills at large D
+        x_row = x_ptr + row * stride_x
+        out_row = out_ptr + row * D
+        cols = tl.arange(0, BLOCK)
+        if BLOCK >= D:  # the whole row in one block: read x once
+            mask = cols < D
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_row + cols, (x * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+        else:  # two passes over the row: sum of squares, then scale (the second read mostly hits L2)
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            for d0 in range(0, D, BLOCK):
+                mask = d0 + cols < D
+                x = tl.load(x_row + d0 + cols, mask=mask, other=0.0).to(tl.float32)
+                acc += x * x
+            rstd = tl.rsqrt(tl.sum(acc, axis=0) / D + eps)
+            for d0 in range(0, D, BLOCK):
+                mask = d0 + cols < D
+                x = tl.load(x_row + d0 + cols, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + d0 + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(out_row + d0 + cols, (x * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _num_warps(block: int) -> int:
+    # 32 threads x 8 bf16 (16 bytes, one vector load each) cover 256 columns: a warp is enough for a head's norm
+    return 1 if block <= 256 else 4 if block <= 2048 else 8
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., D] with zero-centred weight [D]: a contiguous tensor of x's shape and dtype."""
+    D = x.shape[-1]
+    assert weight.shape == (D,), (weight.shape, x.shape)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    rows = x.numel() // D if D else 0
+    if rows == 0:
+        return out
+    x2 = x.reshape(rows, D)  # a view where the leading dims collapse (q / k halves of a projection do)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    block = min(triton.next_power_of_2(D), MAX_BLOCK)
+    _rms_norm_kernel[(rows,)](x2, weight.contiguous(), out, x2.stride(0), float(eps), D=D, BLOCK=block,
+                              num_warps=_num_warps(block))
+    return out
+
+
+@torch.library.custom_op("mtpchat::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x.float() * rsqrt(mean(x.float()**2, -1) + eps) * (1 + weight.float()), cast back to x.dtype."""
+    return launch(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)  # launch's output: contiguous
+
+
+def is_rms_norm(module) -> bool:
+    """A plain (one-input) RMSNorm: class name ending in RMSNorm (not the gated variants), 1-D weight and eps."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__.endswith("RMSNorm") and hasattr(module, "eps")
+            and isinstance(weight, torch.Tensor) and weight.dim() == 1)
+
+
+def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # let inductor fuse the module's own math with its neighbours
+        return type(self).forward(self, x)
+    return rms_norm(x, self.weight, self.eps)
+
+
+def _self_check(module, device, dtype) -> float:
+    """Max abs error of the op against the module's own forward, relative to the reference's max abs."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(3, module.weight.shape[0], generator=gen, device=device).to(dtype)
+    with torch.no_grad():
+        ref = type(module).forward(module, x).float()
+        got = rms_norm(x, module.weight, module.eps).float()
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def _why_not(device: torch.device, dtype: torch.dtype) -> str | None:
+    if triton is None:
+        return "triton not installed"
+    if device.type != "cuda":
+        return device.type.upper()
+    if not available():
+        return "no CUDA device"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{str(dtype).removeprefix('torch.')}: the exact reference path"
+    return None
+
+
+def install(modules: Iterable, device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Give each RMSNorm module (is_rms_norm) the fused forward, when it may run here and passes a self-check
+    (one per distinct (D, eps)); all or none. Returns what was chosen, or why the torch ops stay."""
+    device = torch.device(device)
+    reason = _why_not(device, dtype)
+    if reason is not None:
+        return f"torch ops ({reason})"
+    norms = [m for m in modules if is_rms_norm(m)]
+    if not norms:
+        return "torch ops (no RMSNorm modules)"
+    worst, checked = 0.0, set()
+    try:
+        for m in norms:
+            key = (m.weight.shape[0], m.eps)
+            if key not in checked:
+                checked.add(key)
+                worst = max(worst, _self_check(m, device, dtype))
+    except Exception as e:  # a Triton / driver failure: keep the torch ops
+        return f"torch ops (Triton RMSNorm failed: {type(e).__name__}: {e})"
+    if not worst < SELF_CHECK_TOL:  # also catches NaN
+        return f"torch ops (Triton RMSNorm self-check failed: error {worst:.1e})"
+    for m in norms:
+        # a bound method in the instance dict: deepcopy rebinds it to the copy; del m.forward undoes it
+        m.forward = types.MethodType(_fused_forward, m)
+    return f"Triton fused RMSNorm (self-check {worst:.1e})"
+
+
+@contextmanager
+def stock_forward(modules: Iterable):
+    """The modules' own forward for a while (the bench's transformers baseline runs transformers' code)."""
+    swapped = [m for m in modules if "forward" in vars(m) and getattr(m.forward, "__func__", None) is _fused_forward]
+    for m in swapped:
+        del m.forward
+    try:
+        yield
+    finally:
+        for m in swapped:
+            m.forward = types.MethodType(_fused_forward, m)

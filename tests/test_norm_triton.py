@@ -1,0 +1,191 @@
+"""The Triton RMSNorm (engine/norm_triton.py) against transformers' Qwen3-Next RMSNorm math: shapes of the hidden,
+q / k (per head) norms, strided inputs, D not a power of 2 or over one block; install() on a real module;
+torch.compile (fullgraph) over an installed module; CUDA-graph capture.
+
+GPU tests: they skip without CUDA and Triton. With TRITON_INTERPRET=1 and Triton importable they run on the CPU
+through Triton's interpreter instead (install() itself wants CUDA: there its CUDA check is patched out)."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+import engine.norm_triton as norm_triton
+from engine.norm_triton import install, is_rms_norm, rms_norm
+
+gpu = pytest.mark.gpu
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and norm_triton.triton is not None
+EPS = 1e-6
+
+
+@pytest.fixture(scope="module")
+def device():
+    if norm_triton.available():
+        return torch.device("cuda")
+    if INTERPRET:
+        return torch.device("cpu")
+    pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with Triton installed)")
+
+
+def reference(x, weight, eps=EPS):
+    """transformers' Qwen3NextRMSNorm.forward."""
+    out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).to(x.dtype)
+
+
+def randn(*shape, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(*shape, generator=gen, device=device) * 3).to(dtype)
+
+
+def qwen3_next_norm(dim, dtype, device):
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    norm = Qwen3NextRMSNorm(dim, eps=EPS).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(randn(dim, dtype=torch.float32, device=device, seed=7) * 0.1)  # stored as weight - 1
+    return norm
+
+
+def assert_matches(got, x, weight):
+    want = reference(x, weight)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # one bf16 ulp: rsqrt and the sum's order may round the last float32 bit the other way
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)
+
+
+def test_the_module_imports_and_reports_availability():
+    """CPU-only installs (no Triton) import it too; available() is what the engine asks before using it."""
+    assert norm_triton.available() == (norm_triton.triton is not None and torch.cuda.is_available())
+
+
+def test_install_says_why_it_keeps_the_torch_ops():
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    norm = Qwen3NextRMSNorm(64)
+    if norm_triton.triton is None:
+        assert install([norm], "cuda", torch.bfloat16) == "torch ops (triton not installed)"
+    else:
+        assert install([norm], "cpu", torch.bfloat16) == "torch ops (CPU)"
+        if norm_triton.available():
+            assert install([norm], "cuda", torch.float32) == "torch ops (float32: the exact reference path)"
+    assert "forward" not in vars(norm)
+
+
+def test_is_rms_norm_picks_the_plain_norms_only():
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm, Qwen3NextRMSNormGated
+
+    assert is_rms_norm(Qwen3NextRMSNorm(64))
+    assert not is_rms_norm(Qwen3NextRMSNormGated(64))  # forward(x, gate)
+    assert not is_rms_norm(torch.nn.LayerNorm(64))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1, 384), (5, 7, 64), (2, 5120), (3, 320), (2, 9000)],
+                         ids=["decode-row", "per-head", "hidden-5120", "d320", "d9000-two-blocks"])
+def test_op_matches_the_reference(device, dtype, shape):
+    x = randn(*shape, dtype=dtype, device=device)
+    weight = randn(shape[-1], dtype=dtype, device=device, seed=1) * 0.1
+    assert_matches(rms_norm(x, weight, EPS), x, weight)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_strided_inputs(device, dtype):
+    weight = randn(64, dtype=torch.float32, device=device, seed=1) * 0.1  # float32 weight, bf16 x: loads both
+    # the query half of a projection laid out [B, T, H, 2 * Dh] (Qwen3-Next's q and gate): rows 128 apart, no copy
+    qg = randn(5, 7, 4, 128, dtype=dtype, device=device)
+    q = qg[..., :64]
+    assert_matches(rms_norm(q, weight, EPS), q, weight)
+    # a transpose: the last dim is not contiguous
+    xt = randn(64, 6, dtype=dtype, device=device).t()
+    assert xt.stride(-1) != 1
+    assert_matches(rms_norm(xt, weight, EPS), xt, weight)
+    # empty
+    assert rms_norm(q[:0], weight, EPS).shape == (0, 7, 4, 64)
+
+
+@pytest.fixture
+def installable(device, monkeypatch):
+    """install(modules, dtype) on the test device. On the interpreter (CPU) install() would keep the torch ops:
+    its device check is patched out, the self-check and the forward then run through the interpreter."""
+    if device.type == "cpu":
+        monkeypatch.setattr(norm_triton, "_why_not", lambda device, dtype: None)
+    return lambda modules, dtype: install(modules, device, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dim", [2048, 256])
+def test_install_on_a_transformers_module(device, installable, dim):
+    norm = qwen3_next_norm(dim, torch.bfloat16, device)
+    other = copy.deepcopy(norm)
+    reason = installable([norm, torch.nn.Linear(4, 4)], torch.bfloat16)
+    assert reason.startswith("Triton fused RMSNorm (self-check "), reason
+    assert "forward" in vars(norm)
+    x = randn(2, 3, dim, dtype=torch.bfloat16, device=device)
+    with torch.inference_mode():
+        got, want = norm(x), other(x)
+    assert_matches(got, x, norm.weight)
+    assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() < 2e-2
+    # a deepcopy keeps the fused forward, bound to the copy's own weight
+    twin = copy.deepcopy(norm)
+    with torch.no_grad():
+        twin.weight.zero_()
+    with torch.inference_mode():
+        assert_matches(twin(x), x, twin.weight)
+
+
+@gpu
+def test_installed_module_compiles_fullgraph(device, installable):
+    norm = qwen3_next_norm(256, torch.bfloat16, device)
+    installable([norm], torch.bfloat16)
+    x = randn(3, 256, dtype=torch.bfloat16, device=device)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        torch.compile(norm, fullgraph=True, backend=recording)(x)
+    assert graphs and "rms_norm" not in graphs[0]  # the module's own math, for inductor to fuse
+    backend = "inductor" if device.type == "cuda" else "aot_eager"  # inductor on CPU wants a C++ compiler
+    compiled = torch.compile(norm, fullgraph=True, backend=backend)
+    with torch.inference_mode():
+        assert_matches(compiled(x), x, norm.weight)
+
+
+@gpu
+def test_op_compiles_fullgraph(device):
+    """The op itself traces (fake tensor: the register_fake output)."""
+    weight = randn(320, dtype=torch.bfloat16, device=device, seed=1) * 0.1
+    x = randn(4, 320, dtype=torch.bfloat16, device=device)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    compiled = torch.compile(lambda x: rms_norm(x * 2, weight, EPS) + 1, fullgraph=True, backend=backend)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), rms_norm(x * 2, weight, EPS) + 1, rtol=1.6e-2, atol=1e-5)
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_cuda_graph_capture_and_replay(device):
+    weight = randn(2048, dtype=torch.bfloat16, device=device, seed=1) * 0.1
+    x = randn(1, 1, 2048, dtype=torch.bfloat16, device=device)
+    with torch.inference_mode():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile the kernel before capture
+            rms_norm(x, weight, EPS)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = rms_norm(x, weight, EPS)
+        x.copy_(randn(1, 1, 2048, dtype=torch.bfloat16, device=device, seed=2))
+        graph.replay()
+        assert_matches(y, x, weight)
