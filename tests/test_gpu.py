@@ -50,11 +50,19 @@ def test_cuda_graphs_certified_and_lossless(name, ckpt):
     assert all(int(report["replays"][str(w)]) > 5 for w in (2, 4))
     assert report["decode"]["failure"] is None and int(report["decode"]["replays"]["1"]) > 5
     assert report["commit"]["failure"] is None and int(report["commit"]["replays"]["1"]) > 5  # commit's replay
-    mtp = graphs.diagnostics()["compile"]["mtp_cuda_graphs"]  # the MTP head's draft / refresh steps
-    assert mtp["failure"] is None and int(mtp["replays"]["1"]) > 5
-    captures = report["captures"]
+    # greedy MTP cycles: verify + the head's refresh in one graph per width, timed apart by the event inside it
+    refreshing = report["verify_refresh"]
+    assert refreshing["failure"] is None and all(int(refreshing["replays"][str(w)]) > 5 for w in (2, 4))
+    from engine import GenerationSettings
+    from engine.events import Cycle
+
+    cycles = [ev for ev in graphs.generate(prompt, GenerationSettings(max_new_tokens=16, depth=3, ignore_eos=True))
+              if isinstance(ev, Cycle)]
+    assert all(c.phase_ms["refresh"] > 0 and c.phase_ms["verify"] > 0 for c in cycles[1:-1])
+    captures = (report["captures"], refreshing["captures"])
     tokens(graphs, prompt, 3)  # a further request re-uses the captured graphs: no re-capture
-    assert graphs.diagnostics()["compile"]["cuda_graphs"]["captures"] == captures
+    again = graphs.diagnostics()["compile"]["cuda_graphs"]
+    assert (again["captures"], again["verify_refresh"]["captures"]) == captures
 
 
 def test_triton_moe_passes_its_self_check_in_bf16_and_speculation_stays_exact_in_float32(ckpt):
