@@ -209,6 +209,8 @@ def moe_check(trunk) -> tuple[str, str]:
             continue
         try:
             with torch.inference_mode():
+                if path == "triton":  # the first call autotunes its kernels: at decoding's one row (moe_triton.py)
+                    MOE_PATHS[path](layer.mlp, x[:, :1])
                 a, b = MOE_PATHS[path](layer.mlp, x).float(), moe_rowwise(layer.mlp, x).float()
             err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
         except Exception as e:  # unsupported dtype, architecture, activation or layout

@@ -23,8 +23,9 @@ launched side by side (the pair / token index is the grid's fastest axis), so th
 
 The kernels sit behind the custom op mtpchat::moe_experts, so torch.compile traces through (fullgraph) and CUDA
 graphs capture them. Block sizes are autotuned per shape (H, I, k) on the first call, which the engine makes
-at load (model.moe_check's self-check), long before any capture; the width N is not in the key, so every width
-runs the same configuration and rows stay batch-invariant.
+at load with one row (model.moe_check), long before any capture: decoding's width, where the grid is smallest
+and the choice matters most (tuned on 4 rows, the H200 picked a down-kernel configuration 50% slower at one).
+The width N is not in the key, so every width runs the same configuration and rows stay batch-invariant.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ except ImportError:  # CPU-only installs: the module still imports, available() 
 # rows by up to BLOCK_I intermediate columns. The first configuration of each was the fixed one before autotuning
 # (H200, 80B shape: about 2.5 TB/s): 16 x 256 makes rows of 512 contiguous bytes (bf16) that coalesce, and one
 # token's 10 pairs 320 programs; the others trade program count against bytes in flight per program.
-GATE_UP_CONFIGS = [(16, 256, 4), (8, 256, 4), (8, 512, 4), (4, 512, 4), (16, 512, 8), (32, 256, 8)]
-DOWN_CONFIGS = [(8, 512, 4), (4, 512, 4), (16, 512, 8), (8, 256, 4), (16, 256, 4)]
+GATE_UP_CONFIGS = [(16, 256, 4), (8, 256, 4), (8, 512, 4), (4, 512, 4), (4, 256, 4), (16, 512, 8), (8, 1024, 8),
+                   (32, 256, 8)]
+DOWN_CONFIGS = [(8, 512, 4), (4, 512, 4), (2, 512, 4), (8, 512, 8), (16, 512, 8), (8, 256, 4), (16, 256, 4)]
 # Triton's interpreter (CPU tests) cannot time configurations: one configuration, nothing benchmarked
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["silu"]) modules
