@@ -78,7 +78,7 @@ class StepGraphs:
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
-    def run(self, key, inputs: tuple[torch.Tensor, ...], pos: int, step: Callable, warmup: Callable | None = None,
+    def run(self, key, inputs: tuple[torch.Tensor, ...], pos: int | None, step: Callable, warmup: Callable | None = None,
             width: int | None = None):
         """warmup: what the capture's warm-up runs instead of step, for a step that writes state it also reads
         (the warm-up must leave that state alone). width: the graph's key among this key's graphs, when it is not
@@ -87,7 +87,8 @@ class StepGraphs:
             self.reset()
             self.key = key
         width = inputs[0].shape[1] if width is None else width
-        self.pos.fill_(pos)
+        if pos is not None:  # (a step that takes no position, commit's: no fill launched)
+            self.pos.fill_(pos)
         if width not in self.graphs:
             self.capture(width, inputs, step, warmup)
         graph, bufs, out = self.graphs[width]
@@ -190,7 +191,7 @@ class GraphRunner:
             return put_back(state, lambda: step(pos))
 
         key = (stash.q.data_ptr(), state.recurrent.data_ptr())
-        if self.commits.try_run(key, (), 0, step, "commit graph", warmup, width=n) is None:
+        if self.commits.try_run(key, (), None, step, "commit graph", warmup, width=n) is None:
             keep_rows(state, stash, n, backends)
 
     def verify(self, tokens: torch.Tensor, pos: int, caches, drafter=None):
