@@ -130,6 +130,15 @@ def collective_share(engine: Engine, prompt, n: int) -> dict:
             "collective_share": nccl / total if total else None}
 
 
+def commit_refresh_share(row: dict) -> float | None:
+    """The speculative transaction's own cost, commit (GDN replay) + the MTP head's refresh, as a share of a
+    cycle's time; None for plain rows."""
+    if not row["depth"] or not row["tokens_per_s"]:
+        return None
+    cycle_ms = 1e3 * row["mean_accepted_length"] / row["tokens_per_s"]
+    return (row["phase_ms"].get("commit", 0.0) + row["phase_ms"].get("refresh", 0.0)) / cycle_ms
+
+
 def hf_generate(engine: Engine, prompt, n: int, repeat: int) -> float | None:
     import torch
     from engine.norm_triton import stock_forward
@@ -317,10 +326,7 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
         same = r.pop("tokens") == reference
         r["identical_to_plain"] = same if sampling is None else None  # sampled texts differ by design
         r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
-        # the speculative transaction's own cost: commit (GDN replay) + the MTP head's refresh, per cycle's time
-        cycle_ms = 1e3 * r["mean_accepted_length"] / r["tokens_per_s"] if r["tokens_per_s"] else None
-        own = r["phase_ms"].get("commit", 0.0) + r["phase_ms"].get("refresh", 0.0)
-        r["commit_refresh_share"] = own / cycle_ms if r["depth"] and cycle_ms else None
+        r["commit_refresh_share"] = commit_refresh_share(r)
 
     # transformers' generate() cannot run one shard of a tensor-parallel model: no baseline under --tp
     hf = None if args.no_hf or group is not None else hf_generate(engine, prompt, n, args.repeat)

@@ -142,19 +142,19 @@ class Engine:
 
     def fallbacks(self, settings: GenerationSettings, drafter) -> list[Fallback]:
         out = [f for f in self.loaded.fallbacks if f.feature != "speculation"]
-        for graphs in (self.graph_runner, getattr(self.mtp_drafter, "graphs", None),
+        runner = self.graph_runner
+        for graphs in (runner, getattr(self.mtp_drafter, "graphs", None),
                        getattr(self.mtp_drafter, "chains", None)):
             if graphs is not None and graphs.failure:
                 out.append(Fallback("cuda_graphs", f"{graphs.failure}: eager steps"))
-        if self.graph_runner is not None and self.graph_runner.compile_failure:
-            out.append(Fallback("compile", self.graph_runner.compile_failure))
-        if self.graph_runner is not None and self.graph_runner.decodes.failure:
-            out.append(Fallback("cuda_graphs", f"{self.graph_runner.decodes.failure}: plain decoding verifies one "
-                                               f"token and commits it (the verify graph)"))
-        runner = self.graph_runner
+        if runner is not None and runner.compile_failure:
+            out.append(Fallback("compile", runner.compile_failure))
+        if runner is not None and runner.decodes.failure:
+            out.append(Fallback("cuda_graphs", f"{runner.decodes.failure}: plain decoding verifies one token and "
+                                               f"commits it (the verify graph)"))
         if runner is not None and runner.refreshing.failure and not runner.steps.failure:
-            out.append(Fallback("cuda_graphs", f"{self.graph_runner.refreshing.failure}: the MTP head refreshes "
-                                               f"in a graph of its own after each verify pass"))
+            out.append(Fallback("cuda_graphs", f"{runner.refreshing.failure}: the MTP head refreshes in a graph of "
+                                               f"its own after each verify pass"))
         if settings.depth > 0 or drafter is not None:
             if drafter is None and self.mtp_drafter is None:
                 out += [f for f in self.loaded.fallbacks if f.feature == "speculation"]

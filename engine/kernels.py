@@ -13,6 +13,12 @@ import torch
 import torch.nn.functional as F
 
 
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max abs error relative to the reference's max abs: the load-time self-checks' measure (NaN stays NaN)."""
+    got, ref = got.float(), ref.float()
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 

@@ -17,7 +17,7 @@ from .errors import EngineError
 from .events import Fallback
 from .fusion import dense_mlp, fuse_all, linears
 from .families import Family, convert_gdn_layout, family_for, fuse_experts, mtp_layers_declared
-from .kernels import Backends, select_backends
+from .kernels import Backends, relative_error, select_backends
 
 
 class Rotary(torch.nn.Module):
@@ -211,8 +211,7 @@ def moe_check(trunk) -> tuple[str, str]:
             with torch.inference_mode():
                 if path == "triton":  # the first call autotunes its kernels: at decoding's one row (moe_triton.py)
                     MOE_PATHS[path](layer.mlp, x[:, :1])
-                a, b = MOE_PATHS[path](layer.mlp, x).float(), moe_rowwise(layer.mlp, x).float()
-            err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+                err = relative_error(MOE_PATHS[path](layer.mlp, x), moe_rowwise(layer.mlp, x))
         except Exception as e:  # unsupported dtype, architecture, activation or layout
             failures.append(f"{path} unavailable: {type(e).__name__}: {str(e)[:120]}")
             continue

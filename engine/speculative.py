@@ -66,13 +66,18 @@ def pick(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return sample(probabilities(logits, req.sampling), req.generator)
 
 
+def back_to_committed(caches, drafter) -> None:
+    """Forget an uncommitted verify pass and the drafter's speculative entries."""
+    caches.abort()
+    if drafter is not None:
+        drafter.rollback()
+
+
 def abandon(caches, drafter, e: BaseException, stepped: bool) -> None:
     """Leave the committed state after an exception in a cycle (the caller re-raises e). After an in-place step
     the caches hold t_n already, so an out-of-memory error cannot be retried: it becomes an error the caller
     does not retry (it then drops the state, and the next request starts from zero)."""
-    caches.abort()
-    if drafter is not None:
-        drafter.rollback()
+    back_to_committed(caches, drafter)
     if stepped and isinstance(e, torch.OutOfMemoryError):
         raise RuntimeError(f"out of memory after a decoding step: {str(e).splitlines()[0][:160]}") from e
 
@@ -221,9 +226,7 @@ def drop_launched(caches, drafter, req: Request) -> None:
     leaves the committed state (a plain in-place step leaves its token processed, as plain_ahead's does)."""
     launched, req.launched = req.launched, None
     if isinstance(launched, Launched):
-        caches.abort()
-        if drafter is not None:
-            drafter.rollback()
+        back_to_committed(caches, drafter)
 
 
 def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):

@@ -51,3 +51,16 @@ def engines(ckpt):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def triton_device():
+    """Where the Triton kernel tests run: CUDA with Triton; the CPU through Triton's interpreter under
+    TRITON_INTERPRET=1 with Triton importable (slow); else they skip (CI: no Triton in a CPU-only torch)."""
+    from engine import moe_triton
+
+    if moe_triton.available():
+        return torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET") == "1" and moe_triton.triton is not None:
+        return torch.device("cpu")
+    pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with Triton installed)")

@@ -5,7 +5,6 @@ batch invariance, torch.compile (fullgraph) and CUDA-graph capture.
 GPU tests: they skip without CUDA and Triton. With TRITON_INTERPRET=1 and Triton importable they run on the CPU
 through Triton's interpreter instead (slow: the 80B shape only at one row)."""
 
-import os
 
 import pytest
 import torch
@@ -16,18 +15,13 @@ from engine.moe_triton import moe_triton
 
 gpu = pytest.mark.gpu
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and moe_triton_module.triton is not None
 SHAPE_80B = dict(hidden_size=2048, num_experts=512, moe_intermediate_size=512, num_experts_per_tok=10)
 SMALL = dict(hidden_size=200, num_experts=16, moe_intermediate_size=96, num_experts_per_tok=4)  # masked tails
 
 
 @pytest.fixture(scope="module")
-def device():
-    if moe_triton_module.available():
-        return torch.device("cuda")
-    if INTERPRET:
-        return torch.device("cpu")
-    pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with Triton installed)")
+def device(triton_device):  # conftest.py: CUDA, or the interpreter on the CPU
+    return triton_device
 
 
 def moe_block(shape: dict, dtype, device, seed: int = 0):

@@ -6,7 +6,6 @@ GPU tests: they skip without CUDA and Triton. With TRITON_INTERPRET=1 and Triton
 through Triton's interpreter instead (install() itself wants CUDA: there its CUDA check is patched out)."""
 
 import copy
-import os
 
 import pytest
 import torch
@@ -16,17 +15,12 @@ from engine.norm_triton import install, is_rms_norm, rms_norm
 
 gpu = pytest.mark.gpu
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and norm_triton.triton is not None
 EPS = 1e-6
 
 
 @pytest.fixture(scope="module")
-def device():
-    if norm_triton.available():
-        return torch.device("cuda")
-    if INTERPRET:
-        return torch.device("cpu")
-    pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with Triton installed)")
+def device(triton_device):  # conftest.py: CUDA, or the interpreter on the CPU
+    return triton_device
 
 
 def reference(x, weight, eps=EPS):

@@ -6,15 +6,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from app.cmd_bench import commit_refresh_share
+
 HERE = Path(__file__).parent
 
 
 def own_share(x: dict) -> str:
-    """commit + the MTP head's refresh per cycle, as a share of the cycle's time (speculative rows)."""
-    if not x["depth"] or not x["tokens_per_s"]:
-        return "-"
-    cycle_ms = 1e3 * x["mean_accepted_length"] / x["tokens_per_s"]
-    return f"{100 * (x['phase_ms'].get('commit', 0.0) + x['phase_ms'].get('refresh', 0.0)) / cycle_ms:.0f}%"
+    """commit + the MTP head's refresh per cycle, as a share of the cycle's time (computed again: older JSON
+    predates the field)."""
+    share = commit_refresh_share(x)
+    return "-" if share is None else f"{100 * share:.0f}%"
 
 
 def table(path: Path) -> str:
