@@ -57,14 +57,14 @@ def kv_write(keys, values, pos: int, k: torch.Tensor, v: torch.Tensor):
     return keys[:, : pos + T].unsqueeze(0), values[:, : pos + T].unsqueeze(0)
 
 
-def kv_write_at(keys, values, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Graph-safe write at a device-side position; returns the whole capacity and the causal mask. An index_put
-    (not index_copy_) so that the compiler updates the cache in place instead of copying it."""
-    positions = pos + torch.arange(k.shape[2], device=k.device)
+def kv_write_at(keys, values, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Graph-safe write at device-side positions [T] (Trunk.positions); returns the whole capacity and the causal
+    mask's complement [T, capacity] (True: a position the query must not see). An index_put (not index_copy_) so
+    that the compiler updates the cache in place instead of copying it."""
     keys[:, positions] = k[0]
     values[:, positions] = v[0]
-    mask = torch.arange(keys.shape[1], device=k.device)[None, :] <= positions[:, None]
-    return keys.unsqueeze(0), values.unsqueeze(0), mask
+    future = torch.arange(keys.shape[1], device=k.device)[None, :] > positions[:, None]
+    return keys.unsqueeze(0), values.unsqueeze(0), future
 
 
 class GDNState:

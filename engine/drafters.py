@@ -56,7 +56,7 @@ class MTPDrafter:
         def step(h, token, pos):
             out = []
             for j in range(n):
-                logits, h = self.head(h, token.view(1, 1), pos + j, self.cache, last_only=True)
+                logits, h = self.head(h, token.view(1, 1), pos + j, self.cache, last_only=True, upcast=False)
                 token = logits[:, -1].argmax(-1)
                 out.append(token)
             return torch.cat(out)
@@ -70,22 +70,27 @@ class MTPDrafter:
         self.last = None  # the latest catch-up's (logits, hidden) at the last verified position
         self.ready = None  # (first draft [1], hidden [1, 1, H]) from a refresh inside the verify graph
 
-    def refresh_verified(self, hidden: torch.Tensor, packed: torch.Tensor, pos):
+    def refresh_verified(self, hidden: torch.Tensor, packed: torch.Tensor, pos, rope=None):
         """The refresh, inside a greedy verify graph: the head over every position of the verify pass, hidden
         [1, T, H], whose next tokens are the target's (packed: sampling.accept_greedy's [m, targets, drafts]).
         Row i is correct for i <= m, whatever m turns out to be: the head is causal, the accepted drafts equal
         the targets, and its KV past the accepted rows is dropped at commit (refreshed). Returns the next cycle's
-        first draft [1] and the head's hidden [1, 1, H] at row m, selected on the device."""
+        first draft [1] and the head's hidden [1, 1, H] at row m, selected on the device. rope: the verify
+        pass's (cos, sin): the same positions."""
         T = hidden.shape[1]
-        logits, h = self.head(hidden, packed[1 : T + 1].unsqueeze(0), pos, self.cache, row=packed[:1])
+        logits, h = self.head(hidden, packed[1 : T + 1].unsqueeze(0), pos, self.cache, row=packed[:1], rope=rope,
+                              upcast=False)
         return logits[:, -1].argmax(-1), h
 
     def refreshed(self, n: int, first: torch.Tensor, h: torch.Tensor) -> None:
-        """Commit a refresh_verified: its first n positions are verified. first and h are static graph outputs
-        (copied: a later cycle that fails after its verify replay must not change what a retry proposes)."""
+        """Commit a refresh_verified: its first n positions are verified. first and h are the graph's static
+        outputs, kept as they are (copies cost two launches while the GPU waits for the host): the next cycle
+        reads them before its verify replay overwrites them. Only a retry after a cycle failed past that replay
+        would draft from the failed cycle's values, which costs acceptance, never exactness: every draft is
+        verified, and the head's cache rows come from the trunk's hiddens and the target's tokens."""
         self.covered += n
         self.cache.trim(self.covered)
-        self.pending, self.last, self.ready = [], None, (first.clone(), h.clone())
+        self.pending, self.last, self.ready = [], None, (first, h)
 
     def observe(self, hidden: torch.Tensor) -> None:
         self.pending.append(hidden)

@@ -118,22 +118,22 @@ def verify(mixer, x, conv, recurrent, backends, rows: tuple) -> torch.Tensor:
 def keep_rows(state: GDNState, stash: VerifyStash, n: int, backends) -> None:
     """state <- the state after the first n stashed tokens: the recurrence replayed from the committed state (all
     GDN layers share one shape, dtype and device: they live in one tensor, so one grouped kernel call, with the
-    layers as the batch dimension), and the conv window that ends at token n."""
-    backends.gdn_recurrent.update_rows(
-        stash.q[:, :n], stash.k[:, :n], stash.v[:, :n], stash.g[:, :n], stash.beta[:, :n], state.recurrent
-    )
+    layers as the batch dimension), and the conv window that ends at token n. Nothing is replayed when the
+    whole verify pass is kept: its final state is copied."""
+    if n == stash.width:
+        state.recurrent.copy_(stash.final)
+    else:
+        backends.gdn_recurrent.update_rows(
+            stash.q[:, :n], stash.k[:, :n], stash.v[:, :n], stash.g[:, :n], stash.beta[:, :n], state.recurrent
+        )
     state.conv.copy_(stash.window[:, :, n : n + state.conv.shape[-1]])
 
 
 def commit(state: GDNState, stash: VerifyStash, m: int, backends, keep_rows=keep_rows) -> None:
-    """Keep the first m + 1 verified tokens. Nothing is replayed when the whole verify pass is kept.
-    keep_rows: `keep_rows` or a stand-in with its signature (GraphRunner.keep_rows: the same, as a graph per n)."""
+    """Keep the first m + 1 verified tokens. keep_rows: `keep_rows` or a stand-in with its signature
+    (GraphRunner.keep_rows: the same, as a graph per n)."""
     n, T = m + 1, stash.width
     if not 0 < n <= T:  # a caller's bug: replaying rows no verify pass wrote would silently corrupt the state
         raise RuntimeError(f"commit of {n} token(s) after a verify pass of {T}")
-    if n < T:
-        keep_rows(state, stash, n, backends)
-    else:
-        state.recurrent.copy_(stash.final)
-        state.conv.copy_(stash.window[:, :, n : n + state.conv.shape[-1]])
+    keep_rows(state, stash, n, backends)
     stash.width = 0

@@ -165,6 +165,7 @@ class GraphRunner:
         self.trunk = trunk
         self.steps = StepGraphs(trunk.device, max_width, trunk.group)
         self.commits = StepGraphs(trunk.device, max_width, trunk.group)  # commit's GDN replay, one graph per n
+        self.finals = StepGraphs(trunk.device, max_width, trunk.group)  # commit of a whole verify pass (no replay)
         self.refreshing = StepGraphs(trunk.device, max_width, trunk.group)  # verify + the MTP head's refresh
         self.splits: dict[int, object] = {}  # width -> the event a refreshing graph records between the two
         self.decodes = StepGraphs(trunk.device, 1, trunk.group)  # plain decoding's in-place step
@@ -175,12 +176,14 @@ class GraphRunner:
     def reset(self) -> None:
         self.steps.reset()
         self.commits.reset()
+        self.finals.reset()
         self.decodes.reset()
         self.refreshing.reset()
 
     def keep_rows(self, state, stash, n: int, backends) -> None:
-        """gdn.keep_rows as a graph per kept length n: the kernel launch without its Python wrapper's cost, the
-        state written in place inside the graph (one replay, one update), and the conv window's copy with it."""
+        """gdn.keep_rows as a graph per kept length n (and one per whole verify pass kept): the kernel launch
+        without its Python wrapper's cost, the state written in place inside the graph (one replay, one update),
+        and the conv window's copy with it. The GPU waits for this launch: the host has just read the acceptance."""
         from .gdn import keep_rows
 
         def step(pos):  # captured once per n, with this call's n; it writes in place and returns nothing
@@ -190,8 +193,9 @@ class GraphRunner:
         def warmup(pos):
             return put_back(state, lambda: step(pos))
 
+        graphs = self.finals if n == stash.width else self.commits
         key = (stash.q.data_ptr(), state.recurrent.data_ptr())
-        if self.commits.try_run(key, (), None, step, "commit graph", warmup, width=n) is None:
+        if graphs.try_run(key, (), None, step, "commit graph", warmup, width=n) is None:
             keep_rows(state, stash, n, backends)
 
     def verify(self, tokens: torch.Tensor, pos: int, caches, drafter=None):
@@ -211,14 +215,16 @@ class GraphRunner:
         split = self.split(T) if drafter is not None else None
 
         def step(tokens, pos):
-            hidden = trunk.forward(tokens, pos, caches, verify=True)
+            pos = trunk.positions(pos, T)  # (once for the trunk and the head)
+            rope = trunk.rope(pos, T)
+            hidden = trunk.forward(tokens, pos, caches, verify=True, rope=rope)
             logits = trunk.logits(hidden[0])
             packed = accept_greedy(logits, tokens)
             if drafter is None:
                 return hidden, logits, packed
             if split is not None:
                 split.record()
-            return hidden, logits, packed, *drafter.refresh_verified(hidden, packed, pos)
+            return hidden, logits, packed, *drafter.refresh_verified(hidden, packed, pos, rope)
 
         if drafter is not None:
             out = self.refreshing.try_run(key + (drafter.cache.k.data_ptr(),), (tokens,), pos, step,
@@ -274,10 +280,11 @@ class GraphRunner:
 
     @property
     def failure(self) -> str | None:
-        return self.steps.failure or self.commits.failure
+        return self.steps.failure or self.commits.failure or self.finals.failure
 
     def report(self) -> dict:
-        return {**self.steps.report(), "commit": self.commits.report(), "decode": self.decodes.report(),
+        return {**self.steps.report(), "commit": self.commits.report(), "commit_whole": self.finals.report(),
+                "decode": self.decodes.report(),
                 "verify_refresh": self.refreshing.report(),
                 "compiled": self.trunk.compiled_block is not None, "compile_failure": self.compile_failure,
                 "warmup_s": round(self.steps.warmup_s, 1)}

@@ -38,39 +38,41 @@ class Rotary(torch.nn.Module):
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[kind](config, device)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
-    def forward(self, x, position_ids):
+    def forward(self, position_ids, dtype):
+        """cos and the signed sin [.., rotary dim]: rotating x is x * cos + roll(x, half) * sin, where
+        transformers writes cat(-x2, x1) * sin. The same products: negating a factor commutes with rounding."""
         freqs = position_ids[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(x.dtype), (emb.sin() * self.scaling).to(x.dtype)
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        sin = emb.sin() * self.scaling
+        sin[..., : freqs.shape[-1]] *= -1
+        return (emb.cos() * self.scaling).to(dtype), sin.to(dtype)
 
 
 def apply_rope(q, k, cos, sin):
-    """Partial rotary embedding: only the first cos.shape[-1] dims of each head rotate."""
+    """Partial rotary embedding (Rotary's cos and signed sin): only the first cos.shape[-1] dims of each head
+    rotate. Queries and keys [B, heads, T, D] rotate as one tensor: the same elementwise ops (the same numbers)
+    in half the launches, which at batch 1 are the cost."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rd = cos.shape[-1]
-    qr, kr = q[..., :rd], k[..., :rd]
-    q = torch.cat([qr * cos + _rotate_half(qr) * sin, q[..., rd:]], -1)
-    k = torch.cat([kr * cos + _rotate_half(kr) * sin, k[..., rd:]], -1)
-    return q, k
+    rd, hq = cos.shape[-1], q.shape[1]
+    qk = torch.cat([q, k], 1)
+    r = qk[..., :rd]
+    qk = torch.cat([r * cos + r.roll(rd // 2, -1) * sin, qk[..., rd:]], -1)
+    return qk[:, :hq], qk[:, hq:]
 
 
-def masked_decode_attention(q, keys, values, mask, scale: float) -> torch.Tensor:
-    """A few queries q [1, H, T, D] over the cache's whole capacity [1, Hkv, N, D] under mask [T, N], as plain
-    matmuls and a softmax. SDPA's fused kernels are built for long query blocks; here they cost like a prefill:
-    on the H200 (27B shape, 4 queries, inside a CUDA graph) cuDNN's took 1.66 ms per layer over a 32k-position
-    cache, this 0.12 ms (0.09 ms compiled). Scores come out of a bf16 matmul (fp32 accumulation) and the
+def masked_decode_attention(q, keys, values, future, scale: float) -> torch.Tensor:
+    """A few queries q [1, H, T, D] over the cache's whole capacity [1, Hkv, N, D], the positions `future`
+    [T, N] masked out (kv_write_at), as plain matmuls and a softmax. SDPA's fused kernels are built for long
+    query blocks; here they cost like a prefill: on the H200 (27B shape, 4 queries, inside a CUDA graph) cuDNN's
+    took 1.66 ms per layer over a 32k-position cache, this 0.12 ms (0.09 ms compiled). Scores come out of a bf16 matmul (fp32 accumulation) and the
     softmax runs in fp32."""
     B, H, T, D = q.shape
     group = H // keys.shape[1]
     rows = q.reshape(B, keys.shape[1], group * T, D)  # query head h reads kv head h // group: rows (group, t)
     scores = torch.matmul(rows, keys.transpose(-1, -2)).float() * scale
-    scores = scores.masked_fill(~mask.repeat(group, 1), float("-inf"))
-    return torch.matmul(torch.softmax(scores, -1).to(values.dtype), values).reshape(B, H, T, D)
+    scores = scores.view(B, keys.shape[1], group, T, -1).masked_fill(future, float("-inf"))  # (no repeat)
+    return torch.matmul(torch.softmax(scores.view(rows.shape[:-1] + (-1,)), -1).to(values.dtype),
+                        values).reshape(B, H, T, D)
 
 
 def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -90,10 +92,11 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor) 
             mask = torch.ones(T, pos + T, dtype=torch.bool, device=x.device).tril(pos)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
     else:  # CUDA-graph capture: the position lives on the device, shapes are the cache's whole capacity
-        keys, values, mask = kv_write_at(keys, values, pos, k, v)
-        o = masked_decode_attention(q, keys, values, mask, attn.scaling)
-    o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
-    return attn.o_proj(o)
+        keys, values, future = kv_write_at(keys, values, pos, k, v)  # (pos: the positions [T])
+        o = masked_decode_attention(q, keys, values, future, attn.scaling)
+    # [B, T, heads, D] from views, no copies: the gate first, so that the product takes its contiguous layout
+    o = torch.sigmoid(gate) * o.transpose(1, 2)
+    return attn.o_proj(o.reshape(B, T, -1))
 
 
 MOE_ROWWISE_MAX_TOKENS = 32
@@ -282,8 +285,11 @@ class Trunk:
     def layers(self):
         return self.lm.model.layers
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.lm.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """float32 logits; upcast=False keeps the lm_head's dtype, for an argmax alone (the conversion is exact
+        and keeps the order: the same token, one launch fewer)."""
+        out = self.lm.lm_head(hidden)
+        out = out.float() if upcast else out
         return out if self.group is None else self.group.gather_vocab(out)
 
     def new_caches(self) -> "TrunkCaches":
@@ -302,13 +308,26 @@ class Trunk:
             n_gdn=n_gdn,
         )
 
-    def position_embeddings(self, x, pos, T: int):
-        # arange(T) + pos, not arange(pos, pos + T): pos may be a device tensor (graph capture), and reading it
-        # on the host would sync and invalidate the capture
-        ids = (torch.arange(T, device=self.device) + pos).unsqueeze(0)
-        return self.rotary(x, ids)
+    def positions(self, pos, T: int):
+        """Positions pos..pos+T-1 of a pass over T tokens. An int pos (eager steps) stays one. In graph capture
+        pos lives on the device (reading it on the host would sync and invalidate the capture): a scalar becomes
+        the positions [T], once per pass, which the rope and every attention layer then share."""
+        if isinstance(pos, int) or pos.dim() == 1:
+            return pos
+        return pos + torch.arange(T, device=self.device)
 
-    def forward(self, tokens: torch.Tensor, pos: int, caches: "TrunkCaches", verify: bool) -> torch.Tensor:
+    def rope(self, pos, T: int):
+        """cos, sin [1, T, rotary dim] of positions pos..pos+T-1: the trunk's layers and the MTP head's (a verify
+        graph with the head's refresh computes them once for both)."""
+        ids = torch.arange(pos, pos + T, device=self.device) if isinstance(pos, int) else self.positions(pos, T)
+        return self.rotary(ids.unsqueeze(0), self.dtype)
+
+    def layer_step(self, pos):
+        """`block`, or its compiled form when graphs are captured (pos on the device, fixed widths): the trunk's
+        layers and the MTP head's. Prefill and eager steps (pos an int) stay eager."""
+        return self.compiled_block if self.compiled_block is not None and not isinstance(pos, int) else block
+
+    def forward(self, tokens: torch.Tensor, pos: int, caches: "TrunkCaches", verify: bool, rope=None) -> torch.Tensor:
         """Run tokens [1, T] at positions pos..pos+T-1; return the hidden states after the final norm.
 
         verify=False (prefill) writes the GDN state; verify=True stashes for commit(m) and leaves it alone.
@@ -317,10 +336,10 @@ class Trunk:
         if verify and self.graphs is not None and isinstance(pos, int):
             return self.graphs.run(tokens, pos, caches)
         h = self.embed(tokens)
-        cos, sin = self.position_embeddings(h, pos, T)
+        pos = self.positions(pos, T)
+        cos, sin = rope or self.rope(pos, T)
         stash = caches.stash_for(T, self) if verify else None
-        # the compiled block serves graph capture only (pos on the device, fixed widths); prefill stays eager
-        step = self.compiled_block if self.compiled_block is not None and not isinstance(pos, int) else block
+        step = self.layer_step(pos)
         for layer, kind, slot in zip(self.layers, self.kinds, self.slots):
             if kind == "linear_attention":
                 state, rows = caches.gdn.layer(slot), stash.rows(slot) if stash is not None else None

@@ -16,7 +16,6 @@ from .cache import KVCache
 from .errors import EngineError
 from .families import fuse_experts
 from .fusion import fuse_all
-from .model import block
 from .norm_triton import install as install_norms
 
 
@@ -82,21 +81,24 @@ class MTPHead(nn.Module):
         return KVCache(1, c.num_key_value_heads, c.head_dim, self.trunk.dtype, self.trunk.device)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int, cache: KVCache, last_only: bool = False,
-                row: torch.Tensor | None = None):
+                row: torch.Tensor | None = None, rope=None, upcast: bool = True):
         """hidden [1, T, H] at positions pos..pos+T-1, tokens [1, T] = the token after each position.
 
         Returns (logits [1, T, V] float32, post-norm hidden [1, T, H]); with last_only, logits of the last
         position only (priming a long prompt must not materialise T x vocab logits); with row (a device index [1]),
-        the logits and hidden of that position only. Writes KV at pos..pos+T-1.
+        the logits and hidden of that position only; rope: the trunk's (cos, sin) of these positions, when it has
+        them; upcast=False: logits in the lm_head's dtype (Trunk.logits), for greedy drafting's argmax. Writes KV
+        at pos..pos+T-1.
         """
         trunk = self.trunk
         e = self.pre_fc_norm_embedding(trunk.embed(tokens))
         h = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], -1))  # embedding first, hidden second
-        cos, sin = trunk.position_embeddings(h, pos, h.shape[1])
-        h = block(trunk, self.layers[0], "full_attention", h, pos, cos, sin, cache.layer(0), None)
+        pos = trunk.positions(pos, h.shape[1])
+        cos, sin = rope or trunk.rope(pos, h.shape[1])
+        h = trunk.layer_step(pos)(trunk, self.layers[0], "full_attention", h, pos, cos, sin, cache.layer(0), None)
         out = self.norm(h)
         if row is not None:
             out = out.index_select(1, row)
         elif last_only:
             out = out[:, -1:]
-        return trunk.logits(out), out
+        return trunk.logits(out, upcast), out

@@ -281,11 +281,12 @@ def finish(trunk, caches, drafter, req: Request, c: Launched, timer: PhaseTimer)
                         # depth 0 (or in a reuse snapshot) the drafter holds it across many replays before the head
                         # runs
                         drafter.observe(c.hidden[:, : m + 1].clone())
-            # the committed tokens from the device (no copy to it): packed[1 + i] is the target's token at i; greedy
-            # acceptance makes the accepted drafts equal to it, sampling does not
-            accepted = sources.count(DRAFT)
-            req.append(c.packed[1 : 1 + len(out)] if req.sampling.greedy
-                       else torch.cat([c.drafts[:accepted], c.packed[1 + accepted : 1 + len(out)]]))
+        # the committed tokens from the device (no copy to it): packed[1 + i] is the target's token at i; greedy
+        # acceptance makes the accepted drafts equal to it, sampling does not. (Outside the commit phase: plain
+        # decoding appends its tokens too; the phase is the speculative transaction's own cost.)
+        accepted = sources.count(DRAFT)
+        req.append(c.packed[1 : 1 + len(out)] if req.sampling.greedy
+                   else torch.cat([c.drafts[:accepted], c.packed[1 + accepted : 1 + len(out)]]))
     except BaseException as e:
         abandon(caches, drafter, e, c.stepped)
         raise

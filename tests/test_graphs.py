@@ -48,6 +48,8 @@ def test_replayed_steps_equal_eager_and_replays_are_counted(name, ckpt, engines)
     assert trunk["decode"]["failure"] is None and trunk["decode"]["replays"]["1"] > 5
     # commit's GDN replay (partly accepted verify passes): one graph per kept length, 1 at least
     assert trunk["commit"]["failure"] is None and trunk["commit"]["replays"]["1"] > 5
+    # a whole verify pass kept (every draft accepted): its final state copied, as a graph of its own
+    assert trunk["commit_whole"]["failure"] is None and sum(trunk["commit_whole"]["replays"].values()) > 5
     # greedy MTP cycles: the head's refresh inside the verify graph (the oracle's cycles: the graph without it)
     refreshing = trunk["verify_refresh"]
     assert refreshing["failure"] is None and all(refreshing["replays"][str(w)] > 5 for w in (2, 4))
