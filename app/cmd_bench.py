@@ -192,13 +192,13 @@ def precision_report(args) -> int:
         s = GenerationSettings(max_new_tokens=args.max_new_tokens, depth=d, ignore_eos=True, reuse=False)
         return [t for e in engine.generate(prompt, s, drafter=drafter) if isinstance(e, Tokens) for t in e.token_ids]
 
-    report = {}
+    report, flags = {}, _engine_flags(args)
     for dtype in ("float32", "bfloat16"):
         if args.random_weights:
-            engine = Engine(random_model(args.random_weights, args.layers, args.device, dtype), None, set())
+            engine = Engine(random_model(args.random_weights, args.layers, args.device, dtype), None, set(), **flags)
             prompts = [[(7 * i + j) % 1000 + 1 for j in range(32)] for i in range(len(PRECISION_PROMPTS))]
         else:
-            engine = load_engine(args.model, args.device, dtype)
+            engine = load_engine(args.model, args.device, dtype, **flags)
             prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in PRECISION_PROMPTS]
         rows = []
         for prompt in prompts:
@@ -215,6 +215,7 @@ def precision_report(args) -> int:
                          "first_divergence": diverged, "rows": rows}
         del engine
     result = {"model": args.random_weights or args.model, "device": args.device, "depth": depth,
+              "compiled": bool(args.compile),
               "max_new_tokens": args.max_new_tokens, "precision": report, "command": command_line(args)}
     return emit(result, args, "\n".join(
         f"{dtype:>9}: {100 * r['identical_share']:.0f}% of {r['runs']} speculative runs (depth {depth}) "
@@ -239,12 +240,16 @@ def _bench_rank(args, group) -> int:
     return _bench(args, _engine(args, group), group)
 
 
+def _engine_flags(args) -> dict:
+    return {"cuda_graphs": False if args.no_graphs else None, "compile": args.compile or None}
+
+
 def _engine(args, group=None) -> Engine:
     """What bench measures: a checkpoint, or random weights in a preset's shape; under --tp this rank's shard
     (CUDA graphs as on one GPU: the collectives are captured inside them)."""
     from engine import Engine, load_engine, presets, tp
 
-    flags = {"cuda_graphs": False if args.no_graphs else None, "compile": args.compile or None}
+    flags = _engine_flags(args)
     if not args.random_weights:
         return load_engine(args.model, None if group else args.device, args.dtype, tp=group, **flags)
     if group is None:

@@ -10,6 +10,7 @@
 #   bash packaging/bench/h200.sh tp       # nvidia-h200-x2: --tp 1 vs the plain engine, 27B and 80B-A3B at --tp 2
 #   bash packaging/bench/h200.sh turns    # multi-turn TTFT on the 27B shape
 #   bash packaging/bench/h200.sh demo     # the demo model: greedy and sampled speed, precision report
+#   bash packaging/bench/h200.sh demo-compile  # the same model with --compile: speed and precision
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
 set -uo pipefail
 [ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
@@ -77,6 +78,12 @@ demo)
         --out "$OUT/bench_demo_gpu.json"
   bench --model engine/assets/demo --depths 0,1,2,3 --drafter mtp --temperature 0.7 --top-p 0.9 \
         --max-new-tokens 128 --repeat 3 --no-hf --out "$OUT/bench_demo_gpu_t07.json"
-  bench --precision --model engine/assets/demo --depths 3 --max-new-tokens 64 --out "$OUT/precision_demo_gpu.json"
+  bench --precision --model engine/assets/demo --depths 3 --max-new-tokens 128 --out "$OUT/precision_demo_gpu.json"
+  ;;
+demo-compile)  # the demo model with --compile: speed, and what compiling costs bf16 agreement between depths
+  bench --model engine/assets/demo --compile --depths 0,1,2,3 --drafter mtp --no-hf --max-new-tokens 128 --repeat 3 \
+        --out "$OUT/bench_demo_gpu_compile.json"
+  bench --precision --compile --model engine/assets/demo --depths 3 --max-new-tokens 128 \
+        --out "$OUT/precision_demo_gpu_compile.json"
   ;;
 esac
