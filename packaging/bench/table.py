@@ -15,7 +15,7 @@ def own_share(x: dict) -> str:
     """commit + the MTP head's refresh per cycle, as a share of the cycle's time (computed again: older JSON
     predates the field)."""
     share = commit_refresh_share(x)
-    return "-" if share is None else f"{100 * share:.0f}%"
+    return "-" if share is None else f"{100 * share:.1f}%"
 
 
 def table(path: Path) -> str:
