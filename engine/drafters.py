@@ -93,7 +93,10 @@ class MTPDrafter:
         self.pending, self.last, self.ready = [], None, (first, h)
 
     def observe(self, hidden: torch.Tensor) -> None:
-        self.pending.append(hidden)
+        """hidden: the trunk's post-norm hiddens of newly processed positions, kept until the head runs over
+        them. A copy: with CUDA graphs it is a static output that the next replay overwrites, and at depth 0 (or
+        in a reuse snapshot) the head may run over it only after many replays."""
+        self.pending.append(hidden.clone())
         self.ready = None
 
     def rollback(self) -> None:

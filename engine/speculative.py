@@ -92,7 +92,7 @@ def decode_step(trunk, caches, drafter, inp: torch.Tensor):
         caches.advance(1)
         if drafter is not None:
             drafter.rollback()
-            drafter.observe(stepped[0].clone())  # see finish(): the head runs over it only after a depth change
+            drafter.observe(stepped[0])  # (the head runs over it only after a depth change)
     return stepped
 
 
@@ -277,10 +277,7 @@ def finish(trunk, caches, drafter, req: Request, c: Launched, timer: PhaseTimer)
                     if c.refreshed:  # the head ran over the verify pass already: keep its accepted prefix
                         drafter.refreshed(m + 1, *c.refreshed)
                     else:
-                        # a copy: with CUDA graphs `hidden` is a static output the next replay overwrites, and at
-                        # depth 0 (or in a reuse snapshot) the drafter holds it across many replays before the head
-                        # runs
-                        drafter.observe(c.hidden[:, : m + 1].clone())
+                        drafter.observe(c.hidden[:, : m + 1])
         # the committed tokens from the device (no copy to it): packed[1 + i] is the target's token at i; greedy
         # acceptance makes the accepted drafts equal to it, sampling does not. (Outside the commit phase: plain
         # decoding appends its tokens too; the phase is the speculative transaction's own cost.)

@@ -228,6 +228,32 @@ def test_an_error_in_the_launch_ahead_comes_after_the_tokens_of_the_finished_cyc
     assert [t for e in events if isinstance(e, Tokens) for t in e.token_ids] == plain
 
 
+def test_a_cycle_that_fails_after_its_verify_replay_is_retried_exactly(monkeypatch):
+    """The refresh's outputs are kept as the graph's static outputs (no copies at commit): a cycle that fails
+    after its verify + refresh replay has overwritten them leaves a retry drafting from the failed cycle's
+    values. That may cost acceptance, never the text: every draft is verified."""
+    import engine.speculative as speculative
+    from engine.events import Fallback, Tokens
+
+    graphs = load_engine(DEMO, cuda_graphs=True)
+    prompt = graphs.encode_chat([{"role": "user", "content": "What is a dictionary in Python?"}])
+    settings = GenerationSettings(max_new_tokens=40, depth=3, ignore_eos=True)
+    plain = run(load_engine(DEMO), prompt, 0, n=40)[0]
+    calls, start_read = {"n": 0}, speculative.start_read
+
+    def flaky(values, req):
+        calls["n"] += 1
+        if calls["n"] == 3:  # a launch ahead, after its verify + refresh replay
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return start_read(values, req)
+
+    monkeypatch.setattr(speculative, "start_read", flaky)
+    events = list(graphs.generate(prompt, settings))
+    assert any(isinstance(e, Fallback) and "depth lowered" in e.reason for e in events)
+    assert graphs.diagnostics()["compile"]["cuda_graphs"]["verify_refresh"]["replays"]["4"] >= 3  # it ran
+    assert [t for e in events if isinstance(e, Tokens) for t in e.token_ids] == plain
+
+
 def test_sampled_decoding_with_graphs_and_cycles_launched_ahead_draws_what_eager_decoding_draws():
     """Sampling with a seed: with graphs (plain decoding's in-place step at depth 0, and every cycle launching
     the next one's draft and verify ahead) the request's generator is drawn in the same order as eager decoding
