@@ -139,7 +139,9 @@ def commit_refresh_share(row: dict) -> float | None:
     return (row["phase_ms"].get("commit", 0.0) + row["phase_ms"].get("refresh", 0.0)) / cycle_ms
 
 
-def hf_generate(engine: Engine, prompt, n: int, repeat: int) -> float | None:
+def hf_generate(engine: Engine, prompt, n: int, repeat: int) -> list[float]:
+    """transformers' generate() on the engine's own model and prompt: tokens/s of each warm run ([] when it
+    cannot run). Its speed is the host's (a Python loop over the layers), so the runs are all kept."""
     import torch
     from engine.norm_triton import stock_forward
 
@@ -157,8 +159,8 @@ def hf_generate(engine: Engine, prompt, n: int, repeat: int) -> float | None:
                     times.append(time.perf_counter() - t0)
     except Exception as e:  # a baseline that cannot run is reported, not fatal
         sys.stderr.write(f"mtpchat: transformers generate() baseline failed: {str(e)[:200]}\n")
-        return None
-    return n / statistics.median(times)
+        return []
+    return [n / t for t in times]
 
 
 def run(args) -> int:
@@ -334,7 +336,8 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
         r["commit_refresh_share"] = commit_refresh_share(r)
 
     # transformers' generate() cannot run one shard of a tensor-parallel model: no baseline under --tp
-    hf = None if args.no_hf or group is not None else hf_generate(engine, prompt, n, args.repeat)
+    hf_runs = [] if args.no_hf or group is not None else hf_generate(engine, prompt, n, args.repeat)
+    hf = statistics.median(hf_runs) if hf_runs else None
     wbytes = weight_bytes_per_token(trunk)
     gpu = torch.cuda.get_device_name(trunk.device) if trunk.device.type == "cuda" else None
     peak = next((v for k, v in HBM_PEAK.items() if gpu and k in gpu), None)
@@ -344,6 +347,7 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
         "dtype": engine.info.dtype, "max_new_tokens": n, "repeat": args.repeat,
         "results": rows,
         "hf_generate_tokens_per_s": hf,
+        "hf_generate_runs_tokens_per_s": hf_runs,
         "plain_vs_hf": plain["tokens_per_s"] / hf if hf else None,
         "weight_bytes_per_token": wbytes,
         "plain_bandwidth_bytes_per_s": bw,

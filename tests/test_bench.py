@@ -32,6 +32,8 @@ def test_bench_json_rows_and_baseline(ckpt, capsys):
     assert 0 < rows[2, "mtp"]["commit_refresh_share"] < 1 and "refresh" in rows[2, "mtp"]["phase_ms"]
     assert 0 < none["commit_refresh_share"] < 1 and "refresh" not in none["phase_ms"]
     assert out["hf_generate_tokens_per_s"] > 0 and out["plain_vs_hf"] > 0
+    assert len(out["hf_generate_runs_tokens_per_s"]) == out["repeat"]  # every warm run kept: its spread is reported
+    assert min(out["hf_generate_runs_tokens_per_s"]) <= out["hf_generate_tokens_per_s"]
     assert out["versions"]["torch"] and out["command"].startswith("mtpchat bench")
 
 

@@ -36,7 +36,9 @@ def table(path: Path) -> str:
                     f"{own_share(x)} | { {True: 'yes', False: 'no', None: 'sampled'}[x['identical_to_plain']]} |")
     tail = [f"CUDA graphs: {failed}"] if failed else []
     if r.get("hf_generate_tokens_per_s"):
-        tail.append(f"transformers `generate()`: {r['hf_generate_tokens_per_s']:.1f} tok/s "
+        runs = r.get("hf_generate_runs_tokens_per_s") or []
+        spread = f", runs {min(runs):.1f}-{max(runs):.1f}" if len(runs) > 1 else ""
+        tail.append(f"transformers `generate()`: {r['hf_generate_tokens_per_s']:.1f} tok/s{spread} "
                     f"(plain engine {r['plain_vs_hf']:.2f}x).")
     tp = r.get("tensor_parallel")
     per = " per GPU" if tp else ""
