@@ -147,14 +147,15 @@ class Engine:
                        getattr(self.mtp_drafter, "chains", None)):
             if graphs is not None and graphs.failure:
                 out.append(Fallback("cuda_graphs", f"{graphs.failure}: eager steps"))
-        if runner is not None and runner.compile_failure:
-            out.append(Fallback("compile", runner.compile_failure))
-        if runner is not None and runner.decodes.failure:
-            out.append(Fallback("cuda_graphs", f"{runner.decodes.failure}: plain decoding verifies one token and "
-                                               f"commits it (the verify graph)"))
-        if runner is not None and runner.refreshing.failure and not runner.steps.failure:
-            out.append(Fallback("cuda_graphs", f"{runner.refreshing.failure}: the MTP head refreshes in a graph of "
-                                               f"its own after each verify pass"))
+        if runner is not None:
+            if runner.compile_failure:
+                out.append(Fallback("compile", runner.compile_failure))
+            if runner.decodes.failure:
+                out.append(Fallback("cuda_graphs", f"{runner.decodes.failure}: plain decoding verifies one token "
+                                                   f"and commits it (the verify graph)"))
+            if runner.refreshing.failure and not runner.steps.failure:
+                out.append(Fallback("cuda_graphs", f"{runner.refreshing.failure}: the MTP head refreshes in a "
+                                                   f"graph of its own after each verify pass"))
         if settings.depth > 0 or drafter is not None:
             if drafter is None and self.mtp_drafter is None:
                 out += [f for f in self.loaded.fallbacks if f.feature == "speculation"]

@@ -1,6 +1,7 @@
 """Projections that read the same input, as one matmul: GDN's input projections (4 in Qwen3.5, 2 in Qwen3-Next),
-attention's q / k / v, the MLP's gate / up, the MoE router and the shared expert's gate. At batch 1 each projection is a matrix-vector product whose cost is
-reading its weight, plus a fixed launch and ramp-up; the small ones (GDN's b and a: 48 rows) are almost only that.
+attention's q / k / v, the MLP's gate / up, the MoE router and the shared expert's gate. At batch 1 each projection
+is a matrix-vector product whose cost is reading its weight, plus a fixed launch and ramp-up; the small ones (GDN's
+b and a: 48 rows) are almost only that.
 One read of the concatenated weight does the same work with a quarter to a half of the launches.
 
 The weights are concatenated once at load; each Linear's weight becomes a view of the concatenation, so memory is

@@ -78,8 +78,8 @@ class StepGraphs:
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
-    def run(self, key, inputs: tuple[torch.Tensor, ...], pos: int | None, step: Callable, warmup: Callable | None = None,
-            width: int | None = None):
+    def run(self, key, inputs: tuple[torch.Tensor, ...], pos: int | None, step: Callable,
+            warmup: Callable | None = None, width: int | None = None):
         """warmup: what the capture's warm-up runs instead of step, for a step that writes state it also reads
         (the warm-up must leave that state alone). width: the graph's key among this key's graphs, when it is not
         the first input's width."""

@@ -64,8 +64,8 @@ def masked_decode_attention(q, keys, values, future, scale: float) -> torch.Tens
     """A few queries q [1, H, T, D] over the cache's whole capacity [1, Hkv, N, D], the positions `future`
     [T, N] masked out (kv_write_at), as plain matmuls and a softmax. SDPA's fused kernels are built for long
     query blocks; here they cost like a prefill: on the H200 (27B shape, 4 queries, inside a CUDA graph) cuDNN's
-    took 1.66 ms per layer over a 32k-position cache, this 0.12 ms (0.09 ms compiled). Scores come out of a bf16 matmul (fp32 accumulation) and the
-    softmax runs in fp32."""
+    took 1.66 ms per layer over a 32k-position cache, this 0.12 ms (0.09 ms compiled). Scores come out of a bf16
+    matmul (fp32 accumulation) and the softmax runs in fp32."""
     B, H, T, D = q.shape
     group = H // keys.shape[1]
     rows = q.reshape(B, keys.shape[1], group * T, D)  # query head h reads kv head h // group: rows (group, t)

@@ -43,7 +43,6 @@ class PhaseTimer:
             finally:
                 self._add(self.recent, name, (time.perf_counter() - t0) * 1e3)
 
-
     def hand_over(self, event, name: str) -> None:
         """Inside phase(): from `event` on (recorded on the device, e.g. inside a CUDA graph that does two
         phases' work) the time counts as phase `name`. No-op without an event (the CPU: no split)."""

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import engine
-from engine import GenerationSettings, load_engine
+from engine import DecodeControl, GenerationSettings, load_engine
 from engine.drafters import OracleDrafter
-from engine.events import Finished
+from engine.events import Cycle, Finished, Tokens
 from test_exactness import decode
 
 
@@ -21,6 +21,27 @@ def run(engine, prompt, depth, drafter=None, n=24):
 
 
 DEMO = str(Path(engine.__file__).parent / "assets" / "demo")
+
+
+def tokens_of(events) -> list[int]:
+    return [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+
+
+def stopped_after(engine, prompt, settings: GenerationSettings, n: int):
+    """Decode with a live control and stop once n tokens are out: (all tokens handed out, all events)."""
+    control, events = DecodeControl(settings.depth), []
+    for ev in engine.generate(prompt, settings, control=control):
+        events.append(ev)
+        if isinstance(ev, Tokens) and len(tokens_of(events)) >= n:
+            control.stop()
+    return tokens_of(events), events
+
+
+def next_turn(engine, first, reply: list[int], question: str, n: int) -> list:
+    """The events of a greedy depth-3 turn asking `question` after `first` and the reply's tokens."""
+    messages = first + [{"role": "assistant", "content": engine.tokenizer.decode(reply)},
+                        {"role": "user", "content": question}]
+    return list(engine.generate(engine.encode_chat(messages), GenerationSettings(max_new_tokens=n, depth=3)))
 
 
 @pytest.mark.parametrize("name", ["demo", "next", "q35_moe"])
@@ -115,9 +136,6 @@ def test_plain_steps_before_a_live_depth_change_feed_the_head_what_eager_steps_d
     """At depth 0 the head still observes each step's hidden state (for a later depth change); replayed graphs
     overwrite their static outputs, so what it keeps must be a copy: the head's drafts after the change, and so
     the acceptance, must be those of eager steps."""
-    from engine import DecodeControl
-    from engine.events import Tokens
-
     def run(engine, change_at):
         control = DecodeControl(0)
         prompt = engine.encode_chat([{"role": "user", "content": "What is a dictionary in Python?"}])
@@ -145,13 +163,10 @@ def test_plain_decoding_one_step_ahead_is_exact_and_the_next_turn_continues_from
     """Greedy plain decoding with graphs launches the step for each token before reading it (plain_ahead). The
     tokens are those of eager decoding; after an EOS, the step already run leaves every committed token
     processed, and the next turn continues from there with the same tokens as a fresh engine."""
-    from engine.events import Started, Tokens
-
     def turn(engine, messages):
         prompt = engine.encode_chat(messages)
         events = list(engine.generate(prompt, GenerationSettings(max_new_tokens=96, depth=0)))
-        toks = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
-        return prompt, toks, events[0].reused_tokens, events[-1]
+        return prompt, tokens_of(events), events[0].reused_tokens, events[-1]
 
     ahead, eager, fresh = load_engine(DEMO, cuda_graphs=True), load_engine(DEMO), load_engine(DEMO)
     first = [{"role": "user", "content": "What is a dictionary in Python?"}]
@@ -171,20 +186,11 @@ def test_a_cycle_launched_ahead_of_a_stop_is_dropped_and_the_next_turn_is_exact(
     """With graphs each cycle launches the next one's draft and verify before returning its tokens. A stop leaves
     that launched cycle unfinished: it is dropped (the committed state is the finished cycles'), and the next
     turn, which reuses the caches, gives a fresh engine's tokens."""
-    from engine import DecodeControl
-    from engine.events import Cycle, Tokens
-
     ahead, fresh = load_engine(DEMO, cuda_graphs=True), load_engine(DEMO)
     first = [{"role": "user", "content": "What is a dictionary in Python?"}]
     prompt = ahead.encode_chat(first)
-    control, toks, fin, cycles = DecodeControl(3), [], None, []
-    for ev in ahead.generate(prompt, GenerationSettings(max_new_tokens=96, depth=3), control=control):
-        if isinstance(ev, Tokens):
-            toks += ev.token_ids
-            if len(toks) >= 20:
-                control.stop()
-        cycles += [ev] if isinstance(ev, Cycle) else []
-        fin = ev
+    toks, events = stopped_after(ahead, prompt, GenerationSettings(max_new_tokens=96, depth=3), 20)
+    fin, cycles = events[-1], [ev for ev in events if isinstance(ev, Cycle)]
     assert fin.reason == "stop" and fin.stats["accepted"] > 0
     # each cycle reports its own draft and verify, recorded by the call that launched it
     assert all({"draft", "verify", "commit"} <= set(c.phase_ms) for c in cycles)
@@ -192,12 +198,9 @@ def test_a_cycle_launched_ahead_of_a_stop_is_dropped_and_the_next_turn_is_exact(
     assert verifies == fin.stats["cycles"] + 1  # one launched ahead, never finished
     assert ahead.caches.processed == len(prompt) + len(toks) - 1  # the finished cycles' tokens, the last unprocessed
     assert ahead.mtp_drafter.cache.length == ahead.mtp_drafter.covered  # its speculative entries rolled back
-    second = first + [{"role": "assistant", "content": ahead.tokenizer.decode(toks)},
-                      {"role": "user", "content": "And a list?"}]
-    a, b = (list(e.generate(e.encode_chat(second), GenerationSettings(max_new_tokens=40, depth=3))) for e in (ahead, fresh))
+    a, b = (next_turn(e, first, toks, "And a list?", 40) for e in (ahead, fresh))
     assert a[0].reused_tokens == len(prompt) + len(toks) - 1
-    assert [t for e in a if isinstance(e, Tokens) for t in e.token_ids] == \
-        [t for e in b if isinstance(e, Tokens) for t in e.token_ids]
+    assert tokens_of(a) == tokens_of(b)
 
 
 @pytest.mark.parametrize("where, call", [("verify_pass", 2), ("start_read", 3)])
@@ -208,7 +211,6 @@ def test_an_error_in_the_launch_ahead_comes_after_the_tokens_of_the_finished_cyc
     the replay has overwritten the refresh's outputs (kept uncopied at commit): the retry then drafts from the
     failed cycle's values, which may cost acceptance, never the text (every draft is verified)."""
     import engine.speculative as speculative
-    from engine.events import Tokens
 
     graphs = load_engine(DEMO, cuda_graphs=True)
     prompt = graphs.encode_chat([{"role": "user", "content": "What is a dictionary in Python?"}])
@@ -230,7 +232,7 @@ def test_an_error_in_the_launch_ahead_comes_after_the_tokens_of_the_finished_cyc
     assert "depth lowered to 1" in events[note].reason
     ran = call if where == "start_read" else call - 1  # the failed launch's own replay: start_read's case only
     assert graphs.diagnostics()["compile"]["cuda_graphs"]["verify_refresh"]["replays"]["4"] == ran
-    assert [t for e in events if isinstance(e, Tokens) for t in e.token_ids] == plain
+    assert tokens_of(events) == plain
 
 
 def test_sampled_decoding_with_graphs_and_cycles_launched_ahead_draws_what_eager_decoding_draws():
@@ -254,26 +256,15 @@ def test_a_sampled_plain_step_launched_ahead_of_a_stop_leaves_its_token_processe
     """Sampled plain decoding with graphs launches the next in-place step ahead too. It cannot be taken back: a
     stop leaves every committed token processed (as greedy plain decoding's step ahead does), the head has seen
     them all, and the next turn reuses them and decodes what a fresh engine decodes."""
-    from engine import DecodeControl
-    from engine.events import Tokens
-
     ahead, fresh = load_engine(DEMO, cuda_graphs=True), load_engine(DEMO)
     first = [{"role": "user", "content": "Tell me a story about a cat."}]
     prompt = ahead.encode_chat(first)
-    control, toks = DecodeControl(0), []
     settings = GenerationSettings(max_new_tokens=64, depth=0, temperature=0.8, seed=3)
-    for ev in ahead.generate(prompt, settings, control=control):
-        if isinstance(ev, Tokens):
-            toks += ev.token_ids
-            if len(toks) >= 10:
-                control.stop()
+    toks, _ = stopped_after(ahead, prompt, settings, 10)
     assert ahead.caches.processed == len(prompt) + len(toks)
     assert ahead.mtp_drafter.covered + sum(h.shape[1] for h in ahead.mtp_drafter.pending) == len(prompt) + len(toks)
-    second = first + [{"role": "assistant", "content": ahead.tokenizer.decode(toks)},
-                      {"role": "user", "content": "And a dog?"}]
-    a, b = (list(e.generate(e.encode_chat(second), GenerationSettings(max_new_tokens=30, depth=3))) for e in (ahead, fresh))
-    assert [t for e in a if isinstance(e, Tokens) for t in e.token_ids] == \
-        [t for e in b if isinstance(e, Tokens) for t in e.token_ids]
+    a, b = (next_turn(e, first, toks, "And a dog?", 30) for e in (ahead, fresh))
+    assert tokens_of(a) == tokens_of(b)
 
 
 def test_the_refresh_inside_the_verify_graph_keeps_the_head_cache_causal():
