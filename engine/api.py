@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -18,10 +19,12 @@ from .events import Fallback, Finished, Started, Tokens
 from .model import Loaded, load
 from .reuse import TurnCache
 from .sampling import SamplingParams
-from .speculative import Request, cycle, drop_launched, pick, prefill
+from .speculative import Flight, Request, StateLost, cycle, drop_in_flight, pick, prefill
 from .timing import PhaseTimer
 
 EMBEDDED = Path(__file__).parent / "assets" / "demo"
+MAX_DEPTH = 16  # drafts per cycle; the graphs' widths and the stash are sized from it
+MAX_NEW_TOKENS = 1_000_000  # per request: the committed sequence is allocated for it up front
 
 
 @dataclass
@@ -37,16 +40,18 @@ class GenerationSettings:
     reuse: bool = True  # continue from the state the previous request left (see reuse.py)
 
     def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise EngineError(f"--max-new-tokens {self.max_new_tokens}: must be at least 1")
-        if not 0 <= self.depth <= 16:
-            raise EngineError(f"--depth {self.depth}: must be between 0 and 16")
-        if self.temperature < 0:
-            raise EngineError(f"--temperature {self.temperature}: must be >= 0")
-        if not 0 < self.top_p <= 1:
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise EngineError(f"--max-new-tokens {self.max_new_tokens}: must be between 1 and {MAX_NEW_TOKENS:,}")
+        if not 0 <= self.depth <= MAX_DEPTH:
+            raise EngineError(f"--depth {self.depth}: must be between 0 and {MAX_DEPTH}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # (NaN fails every comparison)
+            raise EngineError(f"--temperature {self.temperature}: must be a finite number >= 0")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise EngineError(f"--top-p {self.top_p}: must be in (0, 1]")
         if self.top_k < 0:
             raise EngineError(f"--top-k {self.top_k}: must be >= 0")
+        if self.seed is not None and not 0 <= self.seed < 2**63:  # what torch.Generator.manual_seed takes
+            raise EngineError(f"--seed {self.seed}: must be between 0 and 2**63 - 1")
         if self.prefill_chunk < 1:
             raise EngineError("prefill_chunk must be at least 1")
 
@@ -78,23 +83,20 @@ class ModelInfo:
     dtype: str
 
 
-class IncrementalDecoder:
-    """Decodes a growing token list into text deltas without re-decoding everything (HF streamer offsets)."""
+class TextStream:
+    """Token ids -> the text each one completes, decoded once (tokenizers' DecodeStream: a token inside a
+    multi-byte character completes nothing yet, its piece is "")."""
 
     def __init__(self, tokenizer):
-        self.tok, self.ids, self.prefix, self.read = tokenizer, [], 0, 0
+        from tokenizers.decoders import DecodeStream
 
-    def push(self, ids: list[int]) -> str:
-        if self.tok is None:  # random-weight benchmarks have no tokenizer
-            return ""
-        self.ids.extend(ids)
-        prev = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
-        new = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
-        if new.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
-            return ""
-        delta = new[len(prev) :]
-        self.prefix, self.read = self.read, len(self.ids)
-        return delta
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)  # (random-weight benchmarks: no tokenizer)
+        self.stream = DecodeStream(skip_special_tokens=True)
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        if self.backend is None:
+            return [""] * len(ids)
+        return [self.stream.step(self.backend, i) or "" for i in ids]
 
 
 class Engine:
@@ -124,13 +126,29 @@ class Engine:
     # -- prompts ------------------------------------------------------------------------------------------------
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The chat template's token ids. Message contents are text: a user who types `<|im_end|>` gets the
+        characters, never the control token (only the template's own markers are special)."""
+        tok = self.tokenizer
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:
-            raise EngineError(f"chat template failed: {str(e)[:200]}") from None
-        if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-            ids = ids["input_ids"]
-        return list(ids)
+            raise EngineError(f"chat template failed: {str(e).splitlines()[0][:200] if str(e) else e!r}") from None
+        contents = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
+        specials = [t for t in tok.all_special_tokens + list(tok.added_tokens_encoder) if t]
+        if not any(t in c for c in contents for t in specials):
+            return list(tok.encode(rendered, add_special_tokens=False))  # (the common case: one encode)
+        ids, at = [], 0
+        for text in contents:  # each content where the template put it: encoded with special tokens split
+            start = rendered.find(text, at) if text else -1
+            if start < 0:
+                if any(t in text for t in specials):
+                    raise EngineError("a message holds control-token text that the chat template rewrote; "
+                                      "remove the <|...|> markers from it")
+                continue
+            ids += tok.encode(rendered[at:start], add_special_tokens=False)
+            ids += tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            at = start + len(text)
+        return ids + tok.encode(rendered[at:], add_special_tokens=False)
 
     def encode_raw(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -195,7 +213,8 @@ class Engine:
         yield Started(len(prompt_ids), start, fallbacks)
 
         t0 = time.perf_counter()
-        detok = IncrementalDecoder(self.tokenizer)
+        detok = TextStream(self.tokenizer)
+        flight = Flight()
         ttft, ok, depth_cap = None, False, None
         with torch.inference_mode():
             try:
@@ -229,8 +248,8 @@ class Engine:
                 timer.collect()
                 ttft = (time.perf_counter() - t0) * 1e3
                 with timer.phase("detokenize"):
-                    text = detok.push([first_id])
-                yield Tokens([first_id], ["target"], text)
+                    pieces = detok.pieces([first_id])
+                yield Tokens([first_id], ["target"], "".join(pieces), pieces)
                 sync = getattr(control, "sync", None)  # tensor parallelism: rank 0 decides depth and stop
                 while req.finish is None:
                     if sync is not None:
@@ -241,7 +260,10 @@ class Engine:
                     depth = settings.depth if control.depth is None else control.depth
                     depth = max(0, int(depth)) if depth_cap is None else min(depth_cap, max(0, int(depth)))
                     try:
-                        out, sources, stats = cycle(self.trunk, self.caches, drafter, req, depth, timer)
+                        out, sources, stats = cycle(self.trunk, self.caches, drafter, req, flight, depth, timer)
+                    except StateLost as e:  # (the finally below drops the state)
+                        raise EngineError(f"{e}; the cached conversation state was dropped, the next reply "
+                                          f"starts afresh") from e
                     except torch.OutOfMemoryError as e:
                         # cycle() left the committed state; free, lower the depth, retry once, then give up clearly
                         if depth_cap is not None:
@@ -256,15 +278,15 @@ class Engine:
                         yield note
                         continue
                     with timer.phase("detokenize"):
-                        text = detok.push(out)
+                        pieces = detok.pieces(out)
                     yield stats
-                    yield Tokens(out, sources, text)
+                    yield Tokens(out, sources, "".join(pieces), pieces)
                 ok = True
             except GeneratorExit:  # the consumer stopped reading: the committed state is consistent
                 ok = True
                 raise
             finally:
-                drop_launched(self.caches, drafter, req)  # a cycle launched ahead of a stop is not finished
+                drop_in_flight(self.caches, drafter, flight)  # a cycle launched ahead of a stop is not finished
                 # What the caches hold is the committed sequence minus its last (unprocessed) token. After any
                 # other exception the state is dropped, cleanly: the next request starts from zero.
                 if ok:
@@ -294,7 +316,6 @@ class Engine:
             "total_s": elapsed,
             "phase_ms": dict(timer.totals),
         }
-        self.last_token_ids = list(req.generated)
         yield Finished(req.finish, stats, fallbacks)
 
     # -- reporting ----------------------------------------------------------------------------------------------
@@ -305,8 +326,18 @@ class Engine:
         return snapshot(self)
 
     def close(self) -> None:
-        self.caches = None
-        self.mtp_drafter = None
+        """Free the model now: the trunk and its graph runner point at each other, so without this a model
+        switch would keep the old model alive until the garbage collector runs (two models in memory)."""
+        if self.graph_runner is not None:
+            self.graph_runner.reset()
+            self.graph_runner.trunk = None
+        if self.trunk is not None:
+            self.trunk.graphs = None
+        for graphs in (getattr(self.mtp_drafter, "graphs", None), getattr(self.mtp_drafter, "chains", None)):
+            if graphs is not None:
+                graphs.reset()  # (a captured step's closure holds the drafter)
+        self.graph_runner = self.caches = self.mtp_drafter = self.turns = None
+        self.trunk = self.loaded = None
 
 
 def stop_ids_for(root: Path, tokenizer, raw_config: dict) -> set[int]:
@@ -345,12 +376,13 @@ def load_engine(path: str | None = None, device: str | None = None, dtype: str |
         candidate = default_model_path(exclude=tried)
         try:
             engine = _load_engine(candidate, device, dtype, cuda_graphs, tp, compile)
-        except torch.OutOfMemoryError as e:
+        except (torch.OutOfMemoryError, EngineError) as e:  # the next candidate, with the reason on record
             tried.add(candidate)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            notes.append(Fallback("model", f"{Path(candidate).name}: out of memory at load "
-                                           f"({str(e).splitlines()[0][:120]}); trying the next candidate"))
+            why = "out of memory at load" if isinstance(e, torch.OutOfMemoryError) else "does not load"
+            notes.append(Fallback("model", f"{Path(candidate).name}: {why} "
+                                           f"({str(e).splitlines()[0][:160]}); trying the next candidate"))
             continue
         engine.loaded.fallbacks[:0] = notes
         return engine
@@ -376,6 +408,6 @@ def default_model_path(exclude: set[str] = frozenset()) -> str:
     if EMBEDDED.exists() and str(EMBEDDED) not in exclude:
         return str(EMBEDDED)
     if exclude:
-        raise EngineError(f"out of memory loading every candidate model ({len(exclude)} tried): pass --model "
-                          f"with a smaller one, or --device cpu")
+        raise EngineError(f"no candidate model loads ({len(exclude)} tried: out of memory or unreadable): pass "
+                          f"--model with another one, or --device cpu")
     raise EngineError("no model found: pass --model PATH (a Hugging Face model folder)")

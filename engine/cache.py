@@ -7,7 +7,18 @@ inputs, and commit(m) replays the accepted prefix from the untouched pre-verify 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+
+# Every buffer allocation gets a new serial number: CUDA graphs are keyed by the serials of the buffers they were
+# captured over. (A bare data_ptr() is not an identity: a freed buffer's address is handed to the next one.)
+_serials = itertools.count(1)
+
+
+def new_serial() -> int:
+    return next(_serials)
+
 
 RESERVE_CHUNK = 256  # KV grows in whole chunks so a verify pass never reallocates mid-cycle
 
@@ -21,6 +32,7 @@ class KVCache:
         self.k = torch.zeros(self.shape, dtype=dtype, device=device)
         self.v = torch.zeros(self.shape, dtype=dtype, device=device)
         self.length = 0
+        self.serial = new_serial()
 
     @property
     def capacity(self) -> int:
@@ -39,6 +51,7 @@ class KVCache:
         k[:, :, : self.length] = self.k[:, :, : self.length]
         v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = k, v
+        self.serial = new_serial()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's keys and values [H, capacity, D]: views, so the layer code never indexes by layer number
@@ -73,6 +86,7 @@ class GDNState:
     def __init__(self, layers: int, conv_dim: int, kernel: int, hv: int, dk: int, dv: int, dtype, device):
         self.conv = torch.zeros(layers, conv_dim, kernel - 1, dtype=dtype, device=device)
         self.recurrent = torch.zeros(layers, hv, dk, dv, dtype=torch.float32, device=device)
+        self.serial = new_serial()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """GDN layer i's conv window [C, K-1] and recurrent state [1, Hv, Dk, Dv]: views."""

@@ -44,7 +44,7 @@ class MTPDrafter:
             def step(hidden, tokens, pos):
                 return self.head(hidden, tokens, pos, self.cache, last_only=True)
 
-            out = g.try_run(self.cache.k.data_ptr(), (hidden, tokens), pos, step, "MTP graph")
+            out = g.try_run(self.cache.serial, (hidden, tokens), pos, step, "MTP graph")
             if out is not None:
                 return out
         return self.head(hidden, tokens, pos, self.cache, last_only=True)
@@ -61,7 +61,7 @@ class MTPDrafter:
                 out.append(token)
             return torch.cat(out)
 
-        return self.chains.try_run(self.cache.k.data_ptr(), (h, token), pos, step, "MTP draft graph", width=n)
+        return self.chains.try_run(self.cache.serial, (h, token), pos, step, "MTP draft graph", width=n)
 
     def reset(self) -> None:
         self.cache.trim(0)
@@ -94,9 +94,17 @@ class MTPDrafter:
 
     def observe(self, hidden: torch.Tensor) -> None:
         """hidden: the trunk's post-norm hiddens of newly processed positions, kept until the head runs over
-        them. A copy: with CUDA graphs it is a static output that the next replay overwrites, and at depth 0 (or
-        in a reuse snapshot) the head may run over it only after many replays."""
-        self.pending.append(hidden.clone())
+        them (see keep)."""
+        self.observe_kept(self.keep(hidden))
+
+    def keep(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What observe stores: a copy (with CUDA graphs hidden is a static output that the next replay
+        overwrites, and at depth 0, or in a reuse snapshot, the head may run over it only after many replays).
+        Apart from observe_kept so that a commit allocates before it mutates anything."""
+        return hidden.clone()
+
+    def observe_kept(self, kept: torch.Tensor) -> None:
+        self.pending.append(kept)
         self.ready = None
 
     def rollback(self) -> None:
@@ -166,6 +174,12 @@ class OracleDrafter:
         pass
 
     def observe(self, hidden: torch.Tensor) -> None:
+        pass
+
+    def keep(self, hidden: torch.Tensor) -> None:
+        return None
+
+    def observe_kept(self, kept) -> None:
         pass
 
     def rollback(self) -> None:

@@ -23,11 +23,13 @@ class Started:
 
 @dataclass
 class Tokens:
-    """Tokens committed by one cycle, in order. `text` is the newly decodable text."""
+    """Tokens committed by one cycle, in order. `text` is the newly decodable text; pieces[i] is the text token i
+    completes ("" inside a multi-byte character), so "".join(pieces) == text."""
 
     token_ids: list[int]
     sources: list[str]
     text: str
+    pieces: list[str] = field(default_factory=list)
 
 
 @dataclass

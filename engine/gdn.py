@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cache import GDNState
+from .cache import GDNState, new_serial
 from .fusion import linears
 from .kernels import split_qkv, store_conv_state
 
@@ -24,6 +24,7 @@ class VerifyStash:
     def __init__(self, layers: int, width: int, dims: dict, dtype, device):
         L, T = layers, width
         self.key = (layers, width, dtype, device)
+        self.serial = new_serial()
         self.q = torch.empty(L, T, dims["nk"], dims["dk"], dtype=dtype, device=device)
         self.k = torch.empty_like(self.q)
         self.v = torch.empty(L, T, dims["nv"], dims["dv"], dtype=dtype, device=device)

@@ -36,10 +36,11 @@ def put_back(state, fn: Callable):
     """fn() with the GDN state put back afterwards: a capture's warm-up runs the same kernels as the step, and
     must not advance the state that the step writes in place."""
     saved = state.conv.clone(), state.recurrent.clone()
-    out = fn()
-    state.conv.copy_(saved[0])
-    state.recurrent.copy_(saved[1])
-    return out
+    try:
+        return fn()
+    finally:  # also when the warm-up fails after its GDN layers ran: the caller then steps eagerly from it
+        state.conv.copy_(saved[0])
+        state.recurrent.copy_(saved[1])
 
 
 class Rerun:
@@ -82,7 +83,11 @@ class StepGraphs:
             warmup: Callable | None = None, width: int | None = None):
         """warmup: what the capture's warm-up runs instead of step, for a step that writes state it also reads
         (the warm-up must leave that state alone). width: the graph's key among this key's graphs, when it is not
-        the first input's width."""
+        the first input's width. key: the serial numbers of the buffers the step reads and writes (cache.py)."""
+        return self.replay(self.ready(key, inputs, pos, step, warmup, width), inputs)
+
+    def ready(self, key, inputs, pos, step, warmup=None, width=None) -> int:
+        """Capture the graph for this width if needed and set the position; returns the width."""
         if key != self.key:
             self.reset()
             self.key = key
@@ -91,6 +96,9 @@ class StepGraphs:
             self.pos.fill_(pos)
         if width not in self.graphs:
             self.capture(width, inputs, step, warmup)
+        return width
+
+    def replay(self, width: int, inputs):
         graph, bufs, out = self.graphs[width]
         for buf, x in zip(bufs, inputs):
             buf.copy_(x)
@@ -100,15 +108,19 @@ class StepGraphs:
 
     def try_run(self, key, inputs: tuple[torch.Tensor, ...], pos: int, step: Callable, what: str,
                 warmup: Callable | None = None, width: int | None = None):
+        """run(), except that a capture that fails is recorded and answered None (the owner runs eagerly from
+        then on). A replay that fails raises: it may have written state in place, which only the caller can
+        judge."""
         if self.failure is not None:  # failed once: no capture is tried again
             return None
         try:
-            return self.run(key, inputs, pos, step, warmup, width)
+            width = self.ready(key, inputs, pos, step, warmup, width)
         except Exception as e:
             self.failure = f"{what} capture failed ({type(e).__name__}: {str(e)[:160]})"
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             return None
+        return self.replay(width, inputs)
 
     def capture(self, width: int, inputs, step: Callable, warmup: Callable | None = None) -> None:
         """Under tensor parallelism every rank must run the same code, graphs or eager: a capture that failed on
@@ -194,7 +206,7 @@ class GraphRunner:
             return put_back(state, lambda: step(pos))
 
         graphs = self.finals if n == stash.width else self.commits
-        key = (stash.q.data_ptr(), state.recurrent.data_ptr())
+        key = (stash.serial, state.serial)
         if graphs.try_run(key, (), None, step, "commit graph", warmup, width=n) is None:
             keep_rows(state, stash, n, backends)
 
@@ -211,7 +223,7 @@ class GraphRunner:
 
         trunk, T = self.trunk, tokens.shape[1]
         stash = caches.stash_for(max(self.steps.max_width, T), trunk)
-        key = (caches.kv.k.data_ptr(), stash.q.data_ptr(), caches.gdn.recurrent.data_ptr())
+        key = (caches.kv.serial, stash.serial, caches.gdn.serial)
         split = self.split(T) if drafter is not None else None
 
         def step(tokens, pos):
@@ -227,7 +239,7 @@ class GraphRunner:
             return hidden, logits, packed, *drafter.refresh_verified(hidden, packed, pos, rope)
 
         if drafter is not None:
-            out = self.refreshing.try_run(key + (drafter.cache.k.data_ptr(),), (tokens,), pos, step,
+            out = self.refreshing.try_run(key + (drafter.cache.serial,), (tokens,), pos, step,
                                           "verify + refresh graph")
             if out is not None:
                 stash.width = T
@@ -266,7 +278,7 @@ class GraphRunner:
         (hidden, logits, argmax), static: read them before the next replay. None if it cannot be captured (the caller
         then verifies and commits, as for a draft)."""
         trunk, state = self.trunk, caches.gdn
-        key = (caches.kv.k.data_ptr(), state.recurrent.data_ptr())
+        key = (caches.kv.serial, state.serial)
 
         def step(tokens, pos):
             hidden = trunk.forward(tokens, pos, caches, verify=False)

@@ -49,6 +49,9 @@ class MTPHead(nn.Module):
 
     @classmethod
     def build(cls, family, config, trunk, n_layers, keys, files, dtype) -> "MTPHead":
+        if n_layers != 1:  # loading more would keep weights no step runs
+            raise MTPUnusable(f"the checkpoint declares {n_layers} MTP layers; mtpchat drafts with one-layer MTP "
+                              f"heads (every released Qwen3-Next / Qwen3.5 head has one)")
         has_experts = any(".mlp.experts." in k or k.endswith(".mlp.gate.weight") for k in keys)
         with torch.device("meta"):
             head = cls(cls.layer_config(config, has_experts), family, n_layers)

@@ -19,7 +19,8 @@ from .timing import PhaseTimer
 
 @dataclass
 class Request:
-    seq: torch.Tensor  # committed tokens on the device (prompt + generated); capacity grows by doubling
+    """One generation: the committed sequence and its counters."""
+    seq: torch.Tensor  # committed tokens on the device (prompt + generated), allocated for the whole request
     length: int  # committed tokens in seq
     prompt_len: int
     max_new: int
@@ -32,18 +33,35 @@ class Request:
     accepted: int = 0
     per_position: list[list[int]] = field(default_factory=list)  # [drafted, accepted] per draft position
     finish: str | None = None
-    ahead: torch.Tensor | None = None  # the token of a plain step already run for the last committed token
-    host: tuple | None = None  # (pinned host buffer, CUDA event): tokens read without waiting for later steps
-    launched: object = None  # the next cycle's Launched draft and verify, or the exception its launch raised
 
-    def append(self, tokens: torch.Tensor) -> None:
-        n = tokens.shape[0]
+    def reserve(self, n: int) -> None:
+        """Room for n more tokens (the one allocation of appending, done before a commit mutates anything)."""
         if self.length + n > self.seq.shape[0]:
             grown = torch.empty(2 * (self.length + n), dtype=self.seq.dtype, device=self.seq.device)
             grown[: self.length] = self.seq[: self.length]
             self.seq = grown
+
+    def append(self, tokens: torch.Tensor) -> None:
+        """Commit tokens [n] (device): a copy into reserved room."""
+        n = tokens.shape[0]
+        self.reserve(n)
         self.seq[self.length : self.length + n] = tokens
         self.length += n
+
+
+@dataclass
+class Flight:
+    """What the loop has launched on the device ahead of the host, between two calls of cycle()."""
+    launched: "Launched | None" = None  # the next cycle's draft and verify
+    error: Exception | None = None  # its launch's failure: raised by the next cycle, after this one's tokens
+    ahead: torch.Tensor | None = None  # greedy plain decoding: the token of a step already run for the last one
+    host: tuple | None = None  # (pinned host buffer, CUDA event): tokens read without waiting for later steps
+
+
+class StateLost(RuntimeError):
+    """A failure after the committed state was written in place (an in-place plain step, a commit's apply):
+    the caches no longer hold a committed state, so nothing is retried; the engine drops its state and the
+    next request starts from zero."""
 
 
 def prefill(trunk, caches, drafter, ids: torch.Tensor, chunk: int, timer: PhaseTimer) -> torch.Tensor:
@@ -74,25 +92,31 @@ def back_to_committed(caches, drafter) -> None:
 
 
 def abandon(caches, drafter, e: BaseException, stepped: bool) -> None:
-    """Leave the committed state after an exception in a cycle (the caller re-raises e). After an in-place step
-    the caches hold t_n already, so an out-of-memory error cannot be retried: it becomes an error the caller
-    does not retry (it then drops the state, and the next request starts from zero)."""
+    """Leave the committed state after an exception in a cycle (the caller re-raises e, or what this raises).
+    stepped: the committed state was being written in place (an in-place plain step, a commit's apply), so it is
+    not a committed state any more: StateLost, never retried."""
     back_to_committed(caches, drafter)
-    if stepped and isinstance(e, torch.OutOfMemoryError):
-        raise RuntimeError(f"out of memory after a decoding step: {str(e).splitlines()[0][:160]}") from e
+    if stepped and not isinstance(e, StateLost):
+        raise StateLost(f"decoding failed while the state was written in place "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from e
 
 
 def decode_step(trunk, caches, drafter, inp: torch.Tensor):
     """Plain decoding's in-place graph step over the last committed token inp [1, 1] -> (hidden, logits, argmax),
-    static; None when the step has no graph. The replay writes the state (all or nothing), so the token counts
-    as processed at once, and the head observes its hidden state at once: a step is never taken back."""
+    static; None when the step has no graph. The replay writes the state (all or nothing on a GPU; on the CPU a
+    failure inside it raises StateLost), so the token counts as processed at once, and the head observes its
+    hidden state at once: a step is never taken back."""
     caches.kv.reserve(1)
-    stepped = trunk.graphs.decode(inp, caches.processed, caches)
+    try:  # (a capture that fails returns None with the state put back; what raises is the replay or after it)
+        stepped = trunk.graphs.decode(inp, caches.processed, caches)
+        kept = drafter.keep(stepped[0]) if stepped is not None and drafter is not None else None
+    except BaseException as e:
+        raise StateLost(f"decoding failed in an in-place step ({type(e).__name__}: {str(e)[:160]})") from e
     if stepped is not None:
         caches.advance(1)
         if drafter is not None:
             drafter.rollback()
-            drafter.observe(stepped[0])  # (the head runs over it only after a depth change)
+            drafter.observe_kept(kept)  # (the head runs over it only after a depth change)
     return stepped
 
 
@@ -108,48 +132,53 @@ def runs_plain_ahead(trunk, req: Request, depth: int) -> bool:
     return depth == 0 and req.sampling.greedy and trunk.graphs is not None
 
 
-def start_read(values: torch.Tensor, req: Request):
-    """Copy values [n] (long) to the host behind the work queued so far, into req.host's pinned buffer; returns
+def start_read(values: torch.Tensor, flight: Flight):
+    """Copy values [n] (long) to the host behind the work queued so far, into flight.host's pinned buffer; returns
     the event to wait on (None on the CPU, where the copy is done). Waiting on it does not wait for work launched
     afterwards."""
     n = values.shape[0]
-    if req.host is None or req.host[0].shape[0] < n:
+    if flight.host is None or flight.host[0].shape[0] < n:
         cuda = values.is_cuda
-        req.host = torch.empty(max(n, 16), dtype=torch.long, pin_memory=cuda), torch.cuda.Event() if cuda else None
-    buf, ready = req.host
+        flight.host = torch.empty(max(n, 16), dtype=torch.long, pin_memory=cuda), torch.cuda.Event() if cuda else None
+    buf, ready = flight.host
     buf[:n].copy_(values, non_blocking=True)
     if ready is not None:
         ready.record()
     return ready
 
 
-def plain_ahead(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
+def plain_ahead(trunk, caches, drafter, req: Request, flight: Flight, depth: int, timer: PhaseTimer):
     """Greedy plain decoding one step ahead: the step for token n + 1 is launched before the host reads token
     n + 1, its input taken on the device. The GPU then never waits for the host (the graph launch, 0.4 ms on the
     27B shape, and the loop's bookkeeping, about 0.45 ms more, measured on the H200 with profile_step.py
     --host); a step cannot be taken back, so the one past a reply's end leaves its last token processed too
     (the next turn's prompt holds it). Same tokens as cycle(). None when the step has no graph."""
     timer.start_cycle()
+    stepped = flight.ahead is not None  # the token's step ran: its state is written
     try:
         with timer.phase("verify"):
-            token, req.ahead = req.ahead, None
-            if token is None and (token := plain_step(trunk, caches, drafter, req)) is None:
-                return None
-            req.append(token)  # committed: greedy plain decoding keeps every token it makes
-            ready = start_read(token, req)
+            token, flight.ahead = flight.ahead, None
+            if token is None:
+                token = plain_step(trunk, caches, drafter, req)
+                if token is None:
+                    return None
+                stepped = True
+            req.append(token)  # committed: greedy plain decoding keeps every token it makes (room reserved)
+            ready = start_read(token, flight)
             if depth == 0 and len(req.generated) + 1 < req.max_new:
-                req.ahead = plain_step(trunk, caches, drafter, req)  # processes the token just appended
+                flight.ahead = plain_step(trunk, caches, drafter, req)  # processes the token just appended
         with timer.phase("accept"):
             if ready is not None:
                 ready.synchronize()
-            tok = int(req.host[0][0])
+            tok = int(flight.host[0][0])
     except BaseException as e:
-        abandon(caches, drafter, e, stepped=True)
+        flight.ahead = None
+        abandon(caches, drafter, e, stepped)
         raise
     req.cycles += 1
     req.generated.append(tok)
     if tok in req.stop_ids:
-        req.finish, req.ahead = "eos", None  # the step ahead processed the EOS; its own token is dropped
+        req.finish, flight.ahead = "eos", None  # the step ahead processed the EOS; its own token is dropped
     elif len(req.generated) >= req.max_new:
         req.finish = "length"
     return [tok], [TARGET], Cycle(req.cycles, 0, 0, 0, [], timer.collect(), 1)
@@ -183,14 +212,14 @@ class Launched:
     drafts: torch.Tensor  # [k]
     hidden: torch.Tensor  # the verify pass's hidden states [1, k + 1, H] (static with graphs)
     packed: torch.Tensor  # [m, the target's token per position (k + 1), the drafts (k)]
-    ready: object  # the event after which req.host holds `packed` (None on the CPU)
+    ready: object  # the event after which flight.host holds `packed` (None on the CPU)
     stepped: bool  # plain decoding's in-place graph step ran: t_n is processed already
     refreshed: tuple | None = None  # the head refreshed inside the verify graph: (first draft, hidden), static
 
 
-def launch(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer) -> Launched:
+def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, timer: PhaseTimer) -> Launched:
     """Draft and verify one cycle and start copying its acceptance to the host; nothing waits for the GPU.
-    Leaves the committed state on any exception."""
+    Leaves the committed state on any exception (StateLost once an in-place plain step has run)."""
     k = min(depth, req.max_new - len(req.generated) - 1) if drafter is not None else 0
     seq = req.seq[: req.length]
     stepped, refreshed = False, None
@@ -214,61 +243,79 @@ def launch(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer) 
                 packed = torch.cat([m, targets, drafts])
             elif packed is None:
                 packed = sampling.accept_greedy(logits, inp)
-            ready = start_read(packed, req)
+            ready = start_read(packed, flight)
     except BaseException as e:
         abandon(caches, drafter, e, stepped)
         raise
     return Launched(k, drafts, hidden, packed, ready, stepped, refreshed)
 
 
-def drop_launched(caches, drafter, req: Request) -> None:
-    """Forget a cycle launched ahead that will not be finished (the reply stopped): like a failed cycle, it
-    leaves the committed state (a plain in-place step leaves its token processed, as plain_ahead's does)."""
-    launched, req.launched = req.launched, None
-    if isinstance(launched, Launched):
+def drop_in_flight(caches, drafter, flight: Flight) -> None:
+    """Forget what was launched ahead and will not be finished (the reply stopped or failed): like a failed
+    cycle, it leaves the committed state (a plain in-place step leaves its token processed, as plain_ahead's
+    does)."""
+    launched, flight.launched, flight.error, flight.ahead = flight.launched, None, None, None
+    if launched is not None and not launched.stepped:
         back_to_committed(caches, drafter)
 
 
-def cycle(trunk, caches, drafter, req: Request, depth: int, timer: PhaseTimer):
+def cycle(trunk, caches, drafter, req: Request, flight: Flight, depth: int, timer: PhaseTimer):
     """One cycle. Returns (new tokens, their sources, Cycle stats). Leaves committed state on any exception.
 
-    With graphs, the next cycle's draft and verify are launched before this one returns (req.launched): the
+    With graphs, the next cycle's draft and verify are launched before this one returns (flight.launched): the
     GPU works while the host hands out this cycle's tokens, and the next call only waits for them. Its depth
     is this call's: a live depth change applies one cycle later."""
-    launched, req.launched = req.launched, None
-    if isinstance(launched, Exception):  # raised by the launch ahead, after that cycle's tokens were handed out
-        raise launched
-    if launched is None and (req.ahead is not None or runs_plain_ahead(trunk, req, depth)):
-        done = plain_ahead(trunk, caches, drafter, req, depth, timer)  # a depth change applies after its step
+    if flight.error is not None:  # raised by the launch ahead, after that cycle's tokens were handed out
+        error, flight.error = flight.error, None
+        raise error
+    launched, flight.launched = flight.launched, None
+    if launched is None and (flight.ahead is not None or runs_plain_ahead(trunk, req, depth)):
+        done = plain_ahead(trunk, caches, drafter, req, flight, depth, timer)  # a depth change applies after it
         if done is not None:
             return done
     if launched is None:  # (a launched cycle's phases were recorded by the call before: they count here)
         timer.start_cycle()
-        launched = launch(trunk, caches, drafter, req, depth, timer)
-    out, sources, stats = finish(trunk, caches, drafter, req, launched, timer)
+        launched = launch(trunk, caches, drafter, req, flight, depth, timer)
+    out, sources, stats = finish(trunk, caches, drafter, req, flight, launched, timer)
     if req.finish is None and trunk.graphs is not None and not runs_plain_ahead(trunk, req, depth):
         try:
-            req.launched = launch(trunk, caches, drafter, req, depth, timer)
+            flight.launched = launch(trunk, caches, drafter, req, flight, depth, timer)
+        except StateLost:
+            raise
         except Exception as e:  # raised on the next call: this cycle's tokens are committed and go out first
-            req.launched = e
+            flight.error = e
     return out, sources, stats
 
 
-def finish(trunk, caches, drafter, req: Request, c: Launched, timer: PhaseTimer):
-    """Read a launched cycle's acceptance (the one host sync of the cycle), commit it, count it."""
+def finish(trunk, caches, drafter, req: Request, flight: Flight, c: Launched, timer: PhaseTimer):
+    """Read a launched cycle's acceptance (the one host sync of the cycle) and commit it as one transaction:
+    prepare does everything that reads, allocates or can fail and mutates nothing committed; apply writes the
+    trunk caches, the drafter and the request, in that order, into storage that exists already."""
     k = c.k
-    try:
+    try:  # prepare
         if c.ready is not None:
             c.ready.synchronize()
-        host = req.host[0][: 2 * k + 2].tolist()
+        host = flight.host[0][: 2 * k + 2].tolist()
         m, targets_h, drafts_h = host[0], host[1 : k + 2], host[k + 2 :]
         out = drafts_h[:m] + [targets_h[m]]
         sources = [DRAFT] * m + [TARGET]
         for j, tok in enumerate(out):  # stop at the first EOS: plain decoding would never process past it
             if tok in req.stop_ids:
                 out, sources, m = out[: j + 1], sources[: j + 1], j
-                req.finish = "eos"
                 break
+        # the committed tokens from the device (no copy to it): packed[1 + i] is the target's token at i; greedy
+        # acceptance makes the accepted drafts equal to it, sampling does not
+        accepted = sources.count(DRAFT)
+        tokens = (c.packed[1 : 1 + len(out)] if req.sampling.greedy
+                  else torch.cat([c.drafts[:accepted], c.packed[1 + accepted : 1 + len(out)]]))
+        req.reserve(len(out))
+        kept = None
+        if drafter is not None and not c.stepped and not c.refreshed:
+            kept = drafter.keep(c.hidden[:, : m + 1])
+    except BaseException as e:
+        abandon(caches, drafter, e, c.stepped)
+        raise
+    try:  # apply: a failure here leaves no committed state to go back to
         with timer.phase("commit"):
             if not c.stepped:
                 caches.commit(m, trunk.backends, trunk.graphs)
@@ -277,16 +324,15 @@ def finish(trunk, caches, drafter, req: Request, c: Launched, timer: PhaseTimer)
                     if c.refreshed:  # the head ran over the verify pass already: keep its accepted prefix
                         drafter.refreshed(m + 1, *c.refreshed)
                     else:
-                        drafter.observe(c.hidden[:, : m + 1])
-        # the committed tokens from the device (no copy to it): packed[1 + i] is the target's token at i; greedy
-        # acceptance makes the accepted drafts equal to it, sampling does not. (Outside the commit phase: plain
-        # decoding appends its tokens too; the phase is the speculative transaction's own cost.)
-        accepted = sources.count(DRAFT)
-        req.append(c.packed[1 : 1 + len(out)] if req.sampling.greedy
-                   else torch.cat([c.drafts[:accepted], c.packed[1 + accepted : 1 + len(out)]]))
+                        drafter.observe_kept(kept)
+        # (outside the commit phase: plain decoding appends its tokens too; the phase is the speculative
+        # transaction's own cost)
+        req.append(tokens)
     except BaseException as e:
-        abandon(caches, drafter, e, c.stepped)
+        abandon(caches, drafter, e, stepped=True)
         raise
+    if any(t in req.stop_ids for t in out):
+        req.finish = "eos"
     # An accepted draft that is the EOS ends the reply: it counts as accepted (its source is DRAFT), and the
     # drafts after it, past the reply's end, count neither way. (Counting the EOS draft as rejected, as m does
     # after the cut above, under-reported the demo model's depth-1 acceptance by 0.02-0.03.)

@@ -30,7 +30,7 @@ def test_oom_at_load_of_every_candidate_is_one_clear_error(ckpt, monkeypatch):
     monkeypatch.setattr(api, "load", lambda *a, **k: oom())
     monkeypatch.setattr(api, "EMBEDDED", ckpt("next"))
     monkeypatch.setattr("engine.discovery.discover", lambda *a, **k: [])
-    with pytest.raises(EngineError, match="out of memory loading every candidate"):
+    with pytest.raises(EngineError, match="no candidate model loads"):
         api.load_engine()
 
 
@@ -65,19 +65,19 @@ def test_oom_after_an_in_place_decoding_step_is_not_retried(ckpt, engines, monke
     settings = GenerationSettings(max_new_tokens=12, depth=0, ignore_eos=True)
     plain = [t for e in engines("next").generate(prompt, settings) if isinstance(e, Tokens) for t in e.token_ids]
     calls = {"n": 0}
-    observe = engine.mtp_drafter.observe
+    keep = engine.mtp_drafter.keep
 
     def flaky(hidden):
         calls["n"] += 1
         if calls["n"] == 4:  # the prefill, then the third plain step
             oom()
-        observe(hidden)
+        return keep(hidden)
 
-    monkeypatch.setattr(engine.mtp_drafter, "observe", flaky)
-    with pytest.raises(RuntimeError, match="out of memory after a decoding step"):
+    monkeypatch.setattr(engine.mtp_drafter, "keep", flaky)
+    with pytest.raises(EngineError, match="in an in-place step .*OutOfMemoryError.*state was dropped"):
         for _ in engine.generate(prompt, settings):
             pass
     assert engine.caches.processed == 0  # dropped, cleanly
-    monkeypatch.setattr(engine.mtp_drafter, "observe", observe)
+    monkeypatch.setattr(engine.mtp_drafter, "keep", keep)
     out = [t for e in engine.generate(prompt, settings) if isinstance(e, Tokens) for t in e.token_ids]
     assert out == plain and engine.diagnostics()["compile"]["cuda_graphs"]["decode"]["replays"]["1"] > 5

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from engine import GenerationSettings
+from engine.errors import EngineError
 from engine.drafters import OracleDrafter
 from engine.events import Tokens
 from engine.timing import PhaseTimer
@@ -108,6 +109,9 @@ PHASES = ["propose", "forward", "commit", "observe", "consumer"]
 
 @pytest.mark.parametrize("phase", PHASES)
 def test_failure_in_any_phase_leaves_a_correct_engine(phase, engines, monkeypatch):
+    """A failure before a cycle mutates anything committed raises as it is; one inside commit's apply (the state
+    written in place) is an EngineError that names it. Either way the next request is exact, with the MTP head
+    and with another drafter."""
     engine = engines("next")
     prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     settings = GenerationSettings(max_new_tokens=20, depth=3, ignore_eos=True)
@@ -128,10 +132,10 @@ def test_failure_in_any_phase_leaves_a_correct_engine(phase, engines, monkeypatc
             return original(*a, **kw)
         return wrapper
 
-    drafter = OracleDrafter(plain, len(prompt), 0.3, vocab, seed=1)
     targets = {"propose": (engine.mtp_drafter, "propose"), "forward": (engine.trunk, "forward"),
-               "commit": (engine.caches, "commit"), "observe": (engine.mtp_drafter, "observe")}
-    with pytest.raises(Boom):
+               "commit": (engine.caches, "commit"), "observe": (engine.mtp_drafter, "keep")}
+    raised = EngineError if phase == "commit" else Boom
+    with pytest.raises(raised) as info:
         if phase == "consumer":
             for i, ev in enumerate(engine.generate(prompt, settings)):
                 if i == 4:
@@ -140,7 +144,10 @@ def test_failure_in_any_phase_leaves_a_correct_engine(phase, engines, monkeypatc
             obj, attr = targets[phase]
             monkeypatch.setattr(obj, attr, failing(getattr(obj, attr)))
             list(engine.generate(prompt, settings))
+    if raised is EngineError:
+        assert "Boom" in str(info.value) and "state was dropped" in str(info.value)
     monkeypatch.undo()
+    assert calls["n"] >= 3 or phase == "consumer"
     # the committed state after the failure is what a fresh prefill of the committed tokens gives
     for drafter in (None, OracleDrafter(plain, len(prompt), 0.3, vocab, seed=2)):
         again = [t for e in engine.generate(prompt, settings, drafter=drafter)
