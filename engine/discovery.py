@@ -4,22 +4,24 @@ Sources, in listing order: folders passed by the caller, folders in ``$MTPCHAT_M
 each a model folder or a folder of model folders, two levels deep), the Hugging Face cache (``HF_HUB_CACHE``,
 else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``), and the embedded demo model in ``engine/assets/demo``.
 
-Everything here reads config.json, the safetensors index and the safetensors *headers* (8-byte length + JSON)
-only: never tensor data, never pickle, never the network. A candidate that cannot be used is still listed, with
-``supported=False`` and the reason, so `mtpchat models` can say why.
+Everything here reads config.json, the safetensors index and the safetensors *headers* only, through the functions
+loading uses (engine.checkpoint): never tensor data, never pickle, never the network. A candidate that cannot be
+used is still listed, with ``supported=False`` and the reason, so `mtpchat models` can say why.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .checkpoint import (quant_method, read_header, read_json, unloadable_dtype, unsupported_quantization,
+                         weight_files)
 from .environment import (DeviceInfo, cuda_unavailable_reason, fla_status, format_bytes, probe_device,
                           run_dtype)
+from .errors import EngineError
 from .families import SUPPORTED, mtp_layers_declared
 
 log = logging.getLogger(__name__)
@@ -27,17 +29,13 @@ log = logging.getLogger(__name__)
 MODELS_ENV = "MTPCHAT_MODELS"
 EMBEDDED_DIR = Path(__file__).resolve().parent / "assets" / "demo"
 EMBEDDED_NAME = "mtpchat-demo"
-INDEX_FILE = "model.safetensors.index.json"
 
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED)  # qwen3_next, qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text
-# Quantized checkpoints (FP8, GPTQ, AWQ, ...) need dequantizing kernels the engine does not have yet.
-SUPPORTED_QUANT_METHODS: frozenset[str] = frozenset()
 
 # Memory beyond the weights: activations, KV / GDN caches, the CUDA context and allocator slack.
 MARGIN_FRACTION = 0.10
 MARGIN_BYTES = {"cuda": 768 << 20, "cpu": 256 << 20}
 
-_MAX_HEADER = 100 << 20  # a safetensors header over 100 MiB is corrupt, not large
 _SAFETENSORS_DTYPES = {
     "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
     "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "F8_E8M0": ("float8_e8m0fnu", 1),
@@ -46,7 +44,6 @@ _SAFETENSORS_DTYPES = {
     "BOOL": ("bool", 1),
 }
 _DTYPE_BYTES = {name: size for name, size in _SAFETENSORS_DTYPES.values()}
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
@@ -106,111 +103,12 @@ class Choice:
 # Reading one model folder
 
 
-class _Unusable(Exception):
-    """A problem that makes the checkpoint unusable; its message is the candidate's reason."""
-
-
-def read_safetensors_header(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], int]:
-    """Tensor name -> (safetensors dtype, shape) from the file's header, and the file size. Reads 8 bytes plus the
-    JSON header; checks that the file holds all the tensor data the header promises (a truncated download)."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        hint = " (a dangling link into the cache's blobs: incomplete download?)" if path.is_symlink() else ""
-        raise _Unusable(f"{path.name} is missing{hint}") from None
-    except OSError as e:
-        raise _Unusable(f"{path.name} cannot be read ({e.strerror})") from None
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise _Unusable(f"{path.name} is truncated ({size} bytes; no safetensors header)")
-            n = int.from_bytes(head, "little")
-            if n > size - 8 or n > _MAX_HEADER:
-                raise _Unusable(f"{path.name}: corrupt or truncated safetensors header "
-                                f"(header length {n} bytes, file {size} bytes)")
-            raw = f.read(n)
-    except OSError as e:
-        raise _Unusable(f"{path.name} cannot be read ({e.strerror})") from None
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _Unusable(f"{path.name}: corrupt safetensors header ({_first_line(e)})") from None
-    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-    end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (_, stop) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-            end = max(end, int(stop))
-        except (KeyError, TypeError, ValueError):
-            raise _Unusable(f"{path.name}: corrupt safetensors header entry for tensor {name!r}") from None
-        tensors[name] = (str(dtype), shape)
-    if 8 + n + end > size:
-        raise _Unusable(f"{path.name} is truncated: its header promises {8 + n + end} bytes, "
-                        f"the file has {size} (incomplete download?)")
-    return tensors, size
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:200]
-
-
-def _read_config(root: Path) -> dict:
-    path = root / "config.json"
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise _Unusable("no config.json (not a Hugging Face model folder)") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _Unusable(f"config.json is not valid JSON ({_first_line(e)})") from None
-    except OSError as e:
-        raise _Unusable(f"config.json cannot be read ({e.strerror})") from None
-    if not isinstance(cfg, dict):
-        raise _Unusable("config.json is not a JSON object")
-    return cfg
-
-
-def _weight_files(root: Path) -> list[str]:
-    index = root / INDEX_FILE
-    if index.exists() or index.is_symlink():
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-        except FileNotFoundError:
-            raise _Unusable(f"{INDEX_FILE} is missing (dangling link: incomplete download?)") from None
-        except (ValueError, UnicodeDecodeError, AttributeError) as e:
-            raise _Unusable(f"{INDEX_FILE} is not valid JSON ({_first_line(e)})") from None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise _Unusable(f"{INDEX_FILE} has no weight_map")
-        return sorted(set(map(str, weight_map.values())))
-    files = sorted(p.name for p in root.glob("*.safetensors"))
-    if files:
-        return files
-    names = [p.name for p in root.iterdir() if p.is_file() or p.is_symlink()]
-    pickles = [n for n in names if n.endswith(_PICKLE_SUFFIXES)]
-    if pickles:
-        raise _Unusable(f"only pickle weights ({', '.join(sorted(pickles)[:3])}); mtpchat never loads pickle "
-                        f"files: use a safetensors release or convert it")
-    ggufs = [n for n in names if n.endswith(".gguf")]
-    if ggufs:
-        raise _Unusable("GGUF files only; mtpchat loads Hugging Face safetensors checkpoints")
-    raise _Unusable("no weights (*.safetensors) in the folder")
-
-
-def _quant_method(cfg: dict) -> str | None:
-    for c in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}):
-        q = c.get("quantization_config")
-        if isinstance(q, dict):
-            return str(q.get("quant_method") or q.get("quant_type") or "unknown")
-        if q:
-            return "unknown"
-    return None
+def _relative(message: str, root: Path) -> str:
+    """An EngineError's message with the model folder left out: a candidate's reason is shown beside its path."""
+    for prefix in (f"{root}{os.sep}", f"{root}: "):
+        if message.startswith(prefix):
+            return message[len(prefix):]
+    return message
 
 
 def _config_dtype(cfg: dict) -> str | None:
@@ -236,9 +134,9 @@ def inspect_model(path: str | os.PathLike, source: str = "folder", name: str | N
         cand.reason = "no such folder" if not root.exists() else "not a folder"
         return cand
     try:
-        cfg = _read_config(root)
-    except _Unusable as e:
-        cand.reason = str(e)
+        cfg = read_json(root / "config.json", "config")
+    except EngineError as e:
+        cand.reason = _relative(str(e), root)
         return cand
 
     model_type = cfg.get("model_type")
@@ -248,21 +146,23 @@ def inspect_model(path: str | os.PathLike, source: str = "folder", name: str | N
     if fam is None:
         shown = repr(model_type) if model_type is not None else "missing"
         problems.append(f"unsupported model_type {shown} (supported: {supported_types_text()})")
-    cand.quantization = _quant_method(cfg)
+    cand.quantization = quant_method(cfg)
     cand.mtp_layers_declared = mtp_layers_declared(cfg)
-    cand.has_tokenizer = any((root / f).exists() for f in _TOKENIZER_FILES)
+    cand.has_tokenizer = any((root / f).is_file() for f in _TOKENIZER_FILES)  # a FIFO or a device is not one
     if not cand.has_tokenizer:
         cand.notes.append("no tokenizer files: usable for benchmarks, not for chat")
 
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    file_of: dict[str, str] = {}
     disk = 0
     try:
-        for fname in _weight_files(root):
-            t, size = read_safetensors_header(root / fname)
+        for fname in weight_files(root):
+            t, size = read_header(root / fname)
             tensors.update(t)
+            file_of.update(dict.fromkeys(t, fname))
             disk += size
-    except _Unusable as e:
-        problems.append(str(e))
+    except EngineError as e:
+        problems.append(_relative(str(e), root))
         tensors = {}
     if tensors:
         cand.disk_bytes = disk
@@ -278,14 +178,29 @@ def inspect_model(path: str | os.PathLike, source: str = "folder", name: str | N
     else:
         cand.dtype = _config_dtype(cfg)
 
-    if cand.quantization and cand.quantization not in SUPPORTED_QUANT_METHODS:
-        problems.append(f"quantized checkpoint ({cand.quantization}) is not supported yet; use the bf16 release")
+    # what load refuses from config.json and the headers, in load's words
+    quantized = unsupported_quantization(cfg)
+    if quantized:
+        problems.append(f"config.json: {quantized}")
+    if fam is not None:
+        problems += _unloadable_tensors(tensors, file_of, fam)[:1]
     if cand.mtp_layers_declared and not cand.mtp_layers and tensors:
         cand.notes.append(f"config declares {cand.mtp_layers_declared} MTP layer(s) but the checkpoint has no "
                           f"usable mtp.* tensors: plain decoding")
     cand.supported = not problems
     cand.reason = problems[0] if problems else ""
     return assess(cand, device) if device is not None else cand
+
+
+def _unloadable_tensors(tensors: dict, file_of: dict[str, str], fam) -> list[str]:
+    """Why each tensor that load would read (trunk and MTP head, not a vision tower) cannot be loaded."""
+    out = []
+    for name, (dtype, _) in tensors.items():
+        if fam.trunk_key(name) is not None or name.startswith("mtp."):
+            why = unloadable_dtype(name, dtype, tensors)
+            if why:
+                out.append(f"{file_of[name]}: {why}")
+    return out
 
 
 def _count_mtp_layers(tensors: dict, cand: Candidate) -> int:

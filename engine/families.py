@@ -6,6 +6,7 @@ blocks) and runs its own loop over them.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -19,20 +20,31 @@ class Family:
     name: str  # "qwen3_next" | "qwen3_5" | "qwen3_5_moe"
     wrapped: bool  # vision-language release: trunk under model.language_model.*, vision under model.visual.*
 
-    def text_config(self, raw: dict):
-        """The transformers config object of the text trunk."""
+    def text_config(self, raw: dict, where: str = "config.json"):
+        """The transformers config object of the text trunk; EngineError naming `where` (the config file) when
+        config.json cannot describe a model the engine can run."""
         import transformers as tf
 
-        if self.name == "qwen3_next":
-            cfg = dict(raw)
-            return tf.Qwen3NextConfig(**_drop_meta(cfg))
-        text = dict(raw.get("text_config", raw)) if self.wrapped else dict(raw)
-        text.pop("model_type", None)
+        text = self._text_fields(raw, where)
+        _check_norm_eps(text, where)
+        cls = {"qwen3_next": tf.Qwen3NextConfig, "qwen3_5": tf.Qwen3_5TextConfig,
+               "qwen3_5_moe": tf.Qwen3_5MoeTextConfig}[self.name]
+        try:
+            cfg = cls(**text)
+        except Exception as e:  # transformers' own validation: a wrong type or value of some field
+            raise EngineError(f"{where}: invalid {self.name} config ({' '.join(str(e).split())[:300]})") from None
+        _check_rope_type(cfg, where)
+        return cfg
+
+    def _text_fields(self, raw: dict, where: str) -> dict:
+        text = raw.get("text_config", raw) if self.wrapped else raw
+        if not isinstance(text, dict):
+            raise EngineError(f"{where}: text_config is not a JSON object")
+        text = dict(text)
         # Qwen3.5 keeps tie_word_embeddings at the top level of wrapped configs.
         if self.wrapped and "tie_word_embeddings" in raw:
             text.setdefault("tie_word_embeddings", raw["tie_word_embeddings"])
-        cls = tf.Qwen3_5TextConfig if self.name == "qwen3_5" else tf.Qwen3_5MoeTextConfig
-        return cls(**_drop_meta(text))
+        return _drop_meta(text)
 
     def causal_lm_class(self):
         import transformers as tf
@@ -86,6 +98,25 @@ def mtp_layers_declared(raw: dict) -> int | None:
             if isinstance(cfg.get(field), int):
                 return cfg[field]
     return None
+
+
+def _check_norm_eps(text: dict, where: str) -> None:
+    # NaN / inf / <= 0 would be accepted by transformers and normalise every hidden to NaN or inf: garbage text
+    eps = text.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise EngineError(f"{where}: rms_norm_eps must be a small positive number, got {eps!r}")
+
+
+def _check_rope_type(cfg, where: str) -> None:
+    """The engine's rotary embedding (model.Rotary) knows the default RoPE and transformers' initialisers; an
+    unknown kind would surface as a KeyError deep inside transformers."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    kind = rope.get("rope_type", "default") if isinstance(rope, dict) else rope
+    known = ["default", *ROPE_INIT_FUNCTIONS]
+    if kind not in known:
+        raise EngineError(f"{where}: rope_type {kind!r} is not supported (known: {', '.join(known)})")
 
 
 def _drop_meta(cfg: dict) -> dict:

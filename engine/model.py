@@ -424,24 +424,26 @@ def default_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
 
 def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> Loaded:
     """tp: a tp.TPGroup: load only this rank's shard (see tp.py); None: the whole model on one device."""
+    from .checkpoint import unsupported_quantization
     from .mtp import MTPHead, MTPUnusable
 
     root = model_dir(path)
     if tp is not None:
         device = str(tp.device)
     dev, dt, fallbacks = default_device_dtype(device, dtype)
-    raw = read_json(root / "config.json", "config.json")
-    family = family_for(raw, str(root / "config.json"))
-    try:
-        cfg = family.text_config(raw)
-    except Exception as e:
-        raise EngineError(f"{root / 'config.json'}: invalid {family.name} config ({str(e)[:200]})") from None
+    where = str(root / "config.json")
+    raw = read_json(root / "config.json", "config")
+    family = family_for(raw, where)
+    quantized = unsupported_quantization(raw)
+    if quantized:  # before the weights: quantized ones would otherwise fail as "unexpected" or load as garbage
+        raise EngineError(f"{where}: {quantized}")
+    cfg = family.text_config(raw, where)
     files = TensorFiles.open(root)
     plan = None
     if tp is not None:  # modules from the rank's local config; only the rank's slices are read
         from .tp import ShardPlan
 
-        plan = tp.plan = ShardPlan(cfg, tp.rank, tp.world, where=str(root / "config.json"))
+        plan = tp.plan = ShardPlan(cfg, tp.rank, tp.world, where=where)
         files.slicer = plan.selection
         cfg = plan.local_config
         tp.vocab_size = cfg.vocab_size
@@ -470,7 +472,7 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> 
     kinds = list(cfg.layer_types)
     unknown = [k for k in kinds if k not in ("linear_attention", "full_attention")]
     if unknown:
-        raise EngineError(f"{root / 'config.json'}: unknown layer type {unknown[0]!r}")
+        raise EngineError(f"{where}: unknown layer type {unknown[0]!r}")
     slots = layer_slots(kinds)
     backends = select_backends(dev)
     for op, (name, why) in backends.choice.items():

@@ -171,7 +171,7 @@ def test_bad_inputs(ckpt, tmp_path, capsys):
 
     badjson = broken_copy(good, tmp_path / "badjson")
     (badjson / "config.json").write_text("{ not json")
-    cases.append((["--model", str(badjson)], "config.json does not parse"))
+    cases.append((["--model", str(badjson)], "config.json: config is not valid JSON"))
 
     shapes = broken_copy(good, tmp_path / "shapes")
     conf = json.loads((shapes / "config.json").read_text())
