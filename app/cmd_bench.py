@@ -7,10 +7,12 @@ median of --repeat runs. Compare ratios within one run, not numbers across machi
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from typing import TYPE_CHECKING
 
@@ -23,43 +25,43 @@ if TYPE_CHECKING:
 HBM_PEAK = {"H200": 4.8e12, "H100": 3.35e12}
 
 
+REPEAT_MAX = 1000
+
+
 def add_parser(sub) -> None:
-    from .cli import add_model_args, add_tp_arg
+    from .cli import (DEPTH_MAX, add_model_args, add_tp_arg, depth_list, int_in, max_new_tokens, temperature,
+                      top_k, top_p, utf8_text)
 
     p = sub.add_parser("bench", help="measure decoding speed: plain vs speculative vs transformers")
     add_model_args(p)
     p.add_argument("--random-weights", metavar="PRESET", help="a real shape with random weights "
                    "(qwen3.5-27b, qwen3-next-80b-a3b, tiny)")
-    p.add_argument("--layers", type=int, help="with --random-weights: keep only the first N layers")
-    p.add_argument("--depths", default="0,1,2,3,4", help="comma-separated speculation depths")
+    p.add_argument("--layers", type=int_in(1, None), help="with --random-weights: keep only the first N layers")
+    p.add_argument("--depths", type=depth_list, default=[0, 1, 2, 3, 4],
+                   help=f"comma-separated speculation depths, each 0 .. {DEPTH_MAX} (default 0,1,2,3,4)")
     p.add_argument("--drafter", default="mtp,oracle", help="mtp, oracle or both (comma-separated)")
     p.add_argument("--acceptance", default="1.0,0.5,0", help="oracle acceptance rates (comma-separated)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--prompt", default="Write a short story about a lighthouse keeper.")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=max_new_tokens(2), default=128)
+    p.add_argument("--prompt", type=utf8_text, default="Write a short story about a lighthouse keeper.")
+    p.add_argument("--repeat", type=int_in(1, REPEAT_MAX), default=3)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
     p.add_argument("--no-graphs", action="store_true", help="eager verify steps only (no CUDA graphs)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sample (speculative sampling) instead of greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--temperature", type=temperature, default=0.0,
+                   help="sample (speculative sampling) instead of greedy")
+    p.add_argument("--top-p", type=top_p, default=1.0)
+    p.add_argument("--top-k", type=top_k, default=0)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out", help="also write the JSON result to this file")
+    p.add_argument("--out", help="also write the JSON result to this file (checked first; rewritten after every "
+                                 "measured row, so a run that fails late keeps what it measured)")
     p.add_argument("--precision", action="store_true",
                    help="instead of speed: speculative vs plain greedy agreement in float32 and bfloat16 over a "
                         "prompt set (share identical, first divergence position)")
     add_tp_arg(p)
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    from engine.errors import EngineError
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise EngineError(f"{flag} {text!r}: expected comma-separated integers") from None
-
-
 def _floats(text: str, flag: str) -> list[float]:
-    from engine.errors import EngineError
+    from engine import EngineError
+
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -76,8 +78,8 @@ def _sync(dev):
 
 
 def measure(engine: Engine, prompt, depth: int, n: int, repeat: int, make_drafter=None, sampling=None) -> dict:
-    from engine import GenerationSettings
-    from engine.events import Finished, Tokens
+    from engine import Finished, GenerationSettings, Tokens
+
     runs = []
     for i in range(repeat + 1):  # the first run warms up (allocations, autotuning)
         settings = GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True, **(sampling or {}), seed=i)
@@ -107,8 +109,7 @@ def collective_share(engine: Engine, prompt, n: int) -> dict:
     graph replays too). A collective's time includes waiting for the slower rank."""
     import torch
 
-    from engine import GenerationSettings
-    from engine.events import Tokens
+    from engine import GenerationSettings, Tokens
 
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
     seen = 0
@@ -143,7 +144,10 @@ def hf_generate(engine: Engine, prompt, n: int, repeat: int) -> list[float]:
     """transformers' generate() on the engine's own model and prompt: tokens/s of each warm run ([] when it
     cannot run). Its speed is the host's (a Python loop over the layers), so the runs are all kept."""
     import torch
-    from engine.norm_triton import stock_forward
+
+    from engine import stock_forward
+
+    from .cli import one_line, print_line
 
     lm, dev = engine.trunk.lm, engine.trunk.device
     ids = torch.tensor([prompt], device=dev)
@@ -158,20 +162,25 @@ def hf_generate(engine: Engine, prompt, n: int, repeat: int) -> list[float]:
                 if i:
                     times.append(time.perf_counter() - t0)
     except Exception as e:  # a baseline that cannot run is reported, not fatal
-        sys.stderr.write(f"mtpchat: transformers generate() baseline failed: {str(e)[:200]}\n")
+        print_line(f"transformers generate() baseline failed: {one_line(e)[:200]}")
         return []
     return [n / t for t in times]
 
 
 def run(args) -> int:
-    from engine.tp import launch, under_torchrun
+    from engine import default_model_path, launch_tp, under_torchrun
+
+    from .cli import check_tp_args
 
     _check_args(args)
     if args.precision:
         return precision_report(args)
     tp = getattr(args, "tp", 1)
     if tp > 1 or under_torchrun():  # N ranks run the same measurements; rank 0 reports
-        return launch(_bench_rank, args, tp, args.device)
+        if tp > 1 and not under_torchrun() and not args.model and not args.random_weights:
+            args.model = default_model_path()  # every rank measures the same checkpoint
+        check_tp_args(args, args.random_weights, args.layers)  # devices, cores, heads: before any worker starts
+        return launch_tp(_bench_rank, args, tp, args.device)
     return _bench(args)
 
 
@@ -183,18 +192,17 @@ PRECISION_PROMPTS = ["Write a short story about a lighthouse keeper.", "What is 
 def precision_report(args) -> int:
     """Greedy speculative vs plain output per dtype: float32 must agree exactly; bfloat16 verify passes of
     several tokens round differently from one-token steps, and this measures how often that changes the text."""
-    from engine import Engine, GenerationSettings, load_engine
-    from engine.drafters import OracleDrafter
-    from engine.events import Tokens
-    from engine.presets import random_model
+    from engine import Engine, GenerationSettings, OracleDrafter, Tokens, load_engine, random_model
 
-    depth = max(d for d in _ints(args.depths, "--depths"))
+    depth = max(args.depths)
 
     def decode(engine, prompt, d, drafter=None):
         s = GenerationSettings(max_new_tokens=args.max_new_tokens, depth=d, ignore_eos=True, reuse=False)
         return [t for e in engine.generate(prompt, s, drafter=drafter) if isinstance(e, Tokens) for t in e.token_ids]
 
     report, flags = {}, _engine_flags(args)
+    head = {"model": args.random_weights or args.model, "device": args.device, "depth": depth,
+            "compiled": bool(args.compile), "max_new_tokens": args.max_new_tokens, "command": command_line(args)}
     for dtype in ("float32", "bfloat16"):
         if args.random_weights:
             engine = Engine(random_model(args.random_weights, args.layers, args.device, dtype), None, set(), **flags)
@@ -216,9 +224,9 @@ def precision_report(args) -> int:
         report[dtype] = {"runs": len(rows), "identical_share": sum(r["identical"] for r in rows) / len(rows),
                          "first_divergence": diverged, "rows": rows}
         del engine
-    result = {"model": args.random_weights or args.model, "device": args.device, "depth": depth,
-              "compiled": bool(args.compile),
-              "max_new_tokens": args.max_new_tokens, "precision": report, "command": command_line(args)}
+        if args.out:  # what is measured so far survives a failure of the next dtype
+            write_json(args.out, {**head, "complete": False, "precision": report})
+    result = {**head, "complete": True, "precision": report}
     return emit(result, args, "\n".join(
         f"{dtype:>9}: {100 * r['identical_share']:.0f}% of {r['runs']} speculative runs (depth {depth}) "
         f"identical to plain; first divergence at {r['first_divergence'] or '-'}" for dtype, r in report.items()))
@@ -228,12 +236,51 @@ def command_line(args) -> str:
     return shlex.join(["mtpchat", *getattr(args, "argv", sys.argv[1:])])
 
 
-def emit(result: dict, args, text: str) -> int:
-    """--out FILE gets the JSON; stdout gets the JSON (--json) or the human-readable text."""
-    if args.out:
-        with open(args.out, "w") as f:
+def check_out(path: str | None) -> None:
+    """--out is checked before anything is measured: a file name in a folder that exists and can be written."""
+    from engine import EngineError
+
+    if not path:
+        return
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise EngineError(f"--out {path}: is a folder; give a file name")
+    parent = p.parent
+    if not parent.exists():
+        raise EngineError(f"--out {path}: folder {parent} does not exist")
+    if not parent.is_dir():
+        raise EngineError(f"--out {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise EngineError(f"--out {path}: not writable")
+
+
+def write_json(path: str, result: dict) -> None:
+    """Write (or rewrite) --out whole: into a temporary file beside it, then renamed over it (never half a file)."""
+    from engine import EngineError
+
+    p = Path(path).expanduser()
+    tmp = p.with_name(f".{p.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
             json.dump(result, f, indent=2)
-    sys.stdout.write((json.dumps(result) if args.json else text) + "\n")
+        os.replace(tmp, p)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise EngineError(f"--out {path}: {e.strerror or e}") from None
+
+
+def emit(result: dict, args, text: str) -> int:
+    """--out FILE gets the JSON; stdout gets the JSON (--json) or the human-readable text (terminal-safe: the
+    model path is a folder name)."""
+    from .cli import write_out
+    from .safe_text import terminal_safe
+
+    if args.out:
+        write_json(args.out, result)
+    write_out((json.dumps(result) if args.json else terminal_safe(text)) + "\n")
     return 0
 
 
@@ -249,15 +296,14 @@ def _engine_flags(args) -> dict:
 def _engine(args, group=None) -> Engine:
     """What bench measures: a checkpoint, or random weights in a preset's shape; under --tp this rank's shard
     (CUDA graphs as on one GPU: the collectives are captured inside them)."""
-    from engine import Engine, load_engine, presets, tp
+    from engine import Engine, load_engine, random_model
 
     flags = _engine_flags(args)
+    device = None if group else args.device  # under --tp each rank's device is the group's
     if not args.random_weights:
-        return load_engine(args.model, None if group else args.device, args.dtype, tp=group, **flags)
-    if group is None:
-        return Engine(presets.random_model(args.random_weights, args.layers, args.device, args.dtype), None, set(),
-                      **flags)
-    return Engine(tp.random_model(args.random_weights, args.layers, group, args.dtype), None, set(), **flags)
+        return load_engine(args.model, device, args.dtype, tp=group, **flags)
+    return Engine(random_model(args.random_weights, args.layers, device, args.dtype, group=group), None, set(),
+                  **flags)
 
 
 def _drafters(args) -> list[str]:
@@ -265,28 +311,30 @@ def _drafters(args) -> list[str]:
 
 
 def _check_args(args) -> None:
-    from engine.errors import EngineError
+    """Every flag, before anything slow (the model load, the workers, the measurements)."""
+    from engine import PRESETS, EngineError
 
-    _ints(args.depths, "--depths")
+    from .cli import check_model_folder
+
     _floats(args.acceptance, "--acceptance")
     if any(d not in ("mtp", "oracle") for d in _drafters(args)):
         raise EngineError(f"--drafter {args.drafter!r}: expected mtp, oracle or both")
     if args.model and args.random_weights:
         raise EngineError("--model and --random-weights: give one or the other")
-    from .cli import check_model_folder
-
+    if args.random_weights and args.random_weights not in PRESETS:
+        raise EngineError(f"--random-weights {args.random_weights!r}: presets are {', '.join(PRESETS)}")
     check_model_folder(args)
-    if args.max_new_tokens < 2 or args.repeat < 1:
-        raise EngineError("--max-new-tokens must be >= 2 and --repeat >= 1")
+    check_out(args.out)
 
 
 def _bench(args, engine: Engine | None = None, group=None) -> int:
     import torch
 
-    from engine.drafters import OracleDrafter
-    from engine.presets import weight_bytes_per_token
+    from engine import OracleDrafter, nvidia_driver, versions, weight_bytes_per_token
 
-    depths = _ints(args.depths, "--depths")
+    from .cli import print_line
+
+    depths = args.depths
     rates = _floats(args.acceptance, "--acceptance")
     drafters = _drafters(args)  # checked by _check_args
     engine = engine or _engine(args)
@@ -294,7 +342,7 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
               else engine.encode_chat([{"role": "user", "content": args.prompt}]))
     n, trunk = args.max_new_tokens, engine.trunk
     if "mtp" in drafters and engine.mtp_drafter is None and (group is None or group.rank == 0):
-        sys.stderr.write(f"mtpchat: {engine.info.name} has no usable MTP head: no mtp rows\n")
+        print_line(f"{engine.info.name} has no usable MTP head: no mtp rows")
     # sampled rows use seed = run index: every depth samples with the same seeds (texts differ across depths:
     # the random stream is consumed per cycle; the distribution does not)
     sampling = ({"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
@@ -305,30 +353,41 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
     compiled = runner is not None and trunk.compiled_block is not None
     mode = ("graphs+compile" if compiled else "graphs") if runner else "eager"
     rows = []
+    lead = group is None or group.rank == 0
+    head = {"model": engine.info.path, "params": engine.info.params, "device": str(trunk.device),
+            "dtype": engine.info.dtype, "max_new_tokens": n, "repeat": args.repeat, "command": command_line(args)}
+
+    def add(row: dict) -> None:
+        """A measured row: --out is rewritten with every row so far (a failure later keeps them)."""
+        rows.append(row)
+        if args.out and lead:
+            write_json(args.out, {**head, "complete": False,
+                                  "results": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]})
+
     if runner:  # the same plain decode without graph replay (and without compilation): what each buys
         trunk.graphs = None
         eager = measure(engine, prompt, 0, n, args.repeat, sampling=sampling)
-        rows.append({"depth": 0, "drafter": "none", "mode": "eager", **eager})
+        add({"depth": 0, "drafter": "none", "mode": "eager", **eager})
         trunk.graphs = runner
         if compiled:
             block, trunk.compiled_block = trunk.compiled_block, None
             runner.reset()
-            rows.append({"depth": 0, "drafter": "none", "mode": "graphs",
-                         **measure(engine, prompt, 0, n, args.repeat, sampling=sampling)})
+            add({"depth": 0, "drafter": "none", "mode": "graphs",
+                 **measure(engine, prompt, 0, n, args.repeat, sampling=sampling)})
             trunk.compiled_block = block
             runner.reset()
     plain = measure(engine, prompt, 0, n, args.repeat, sampling=sampling)
     reference = plain["tokens"]
-    rows.append({"depth": 0, "drafter": "none", "mode": mode, **plain})
+    add({"depth": 0, "drafter": "none", "mode": mode, **plain})
     for depth in [d for d in depths if d > 0]:
         if "mtp" in drafters and engine.mtp_drafter is not None:
-            rows.append({"depth": depth, "drafter": "mtp", "mode": mode,
-                         **measure(engine, prompt, depth, n, args.repeat, sampling=sampling)})
+            add({"depth": depth, "drafter": "mtp", "mode": mode,
+                 **measure(engine, prompt, depth, n, args.repeat, sampling=sampling)})
         if "oracle" in drafters:
             for rate in rates:
                 make = lambda: OracleDrafter(reference, len(prompt), 1.0 - rate, vocab, seed=depth)  # noqa: E731
                 row = measure(engine, prompt, depth, n, args.repeat, make, sampling)
-                rows.append({"depth": depth, "drafter": f"oracle@{rate:g}", "mode": mode, **row})
+                add({"depth": depth, "drafter": f"oracle@{rate:g}", "mode": mode, **row})
     for r in rows:
         same = r.pop("tokens") == reference
         r["identical_to_plain"] = same if sampling is None else None  # sampled texts differ by design
@@ -344,7 +403,7 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
     bw = wbytes * plain["tokens_per_s"]
     result = {
         "model": engine.info.path, "params": engine.info.params, "device": str(trunk.device), "gpu": gpu,
-        "dtype": engine.info.dtype, "max_new_tokens": n, "repeat": args.repeat,
+        "dtype": engine.info.dtype, "max_new_tokens": n, "repeat": args.repeat, "complete": True,
         "results": rows,
         "hf_generate_tokens_per_s": hf,
         "hf_generate_runs_tokens_per_s": hf_runs,
@@ -357,9 +416,6 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
         "cuda_graphs": engine.graph_runner.report() if engine.graph_runner else None,
         "command": command_line(args),
     }
-    from engine.diagnostics import versions
-    from engine.environment import nvidia_driver
-
     result["versions"] = {**versions(), "nvidia_driver": nvidia_driver()}
     if group is not None:  # params, weight bytes and bandwidth above are per rank (rank 0's shard)
         result["tensor_parallel"] = {**group.describe(), "shard": group.plan.describe()}

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from .cmd_models import settings_model
+from .safe_text import single_line
 
 PROG = "mtpchat doctor"
 
@@ -28,7 +28,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _error(msg: str) -> None:
-    print(f"{PROG}: error: {msg}", file=sys.stderr)
+    from .cli import print_error
+
+    print_error(msg, PROG)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,13 +41,13 @@ def run(args: argparse.Namespace) -> int:
 
 def backends_for(device) -> dict[str, dict]:
     """op -> {"backend", "reason"}: the engine's own selection when it can be asked, else the environment's plan."""
-    from engine.environment import OPS, backend_plan
+    from engine import OPS, backend_plan
 
     plan = backend_plan(device)
     try:
         import torch
 
-        from engine.kernels import select_backends
+        from engine import select_backends
 
         chosen = select_backends(torch.device(device.torch_device)).choice
         engine_plan = {op: {"backend": b, "reason": r} for op, (b, r) in chosen.items()}
@@ -56,9 +58,8 @@ def backends_for(device) -> dict[str, dict]:
 
 def collect(model: str | None = None, device_request: str | None = None) -> dict:
     """The whole report as a JSON-ready dict. Raises DeviceUnavailable for a bad `device_request`."""
-    from engine.discovery import choose, discover, fallbacks_for
-    from engine.environment import (compile_capability, fla_status, list_devices, package_versions, probe_device,
-                                    visible_gpus)
+    from engine import (choose, compile_capability, discover, fallbacks_for, fla_status, list_devices,
+                        package_versions, probe_device, visible_gpus)
 
     device = probe_device(device_request)
     pinned, pinned_from = (model, "--model") if model else (settings_model(), "settings")
@@ -79,7 +80,9 @@ def collect(model: str | None = None, device_request: str | None = None) -> dict
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.environment import DeviceUnavailable
+    from engine import DeviceUnavailable
+
+    from .cli import write_out
 
     model = getattr(args, "model", None)
     try:
@@ -88,17 +91,29 @@ def _run(args: argparse.Namespace) -> int:
         _error(str(e))
         return 2
     if getattr(args, "json", False):
-        print(json.dumps(report, indent=2))
+        write_out(json.dumps(report, indent=2) + "\n")
     else:
-        print(render(report))
+        write_out(render(report) + "\n")
     # A model asked for on the command line that cannot be used is a failure; everything else is information.
     return 1 if model and report["choice"]["pinned_error"] else 0
 
 
-def render(r: dict) -> str:
-    from engine.discovery import format_params
-    from engine.environment import format_bytes
+def terminal_safe_report(value):
+    """The report with every string terminal-safe and on one line: names, paths and reasons come from folder
+    names and files (the JSON report keeps them as they are: json.dumps escapes control characters)."""
+    if isinstance(value, str):
+        return single_line(value)
+    if isinstance(value, dict):
+        return {k: terminal_safe_report(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [terminal_safe_report(v) for v in value]
+    return value
 
+
+def render(r: dict) -> str:
+    from engine import format_bytes, format_params
+
+    r = terminal_safe_report(r)
     out: list[str] = []
     sel = r["device"]["device"]
     out.append("Devices")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from .safe_text import single_line
 
 PROG = "mtpchat models"
 
@@ -37,7 +38,9 @@ def settings_model() -> str | None:
 
 
 def _error(msg: str) -> None:
-    print(f"{PROG}: error: {msg}", file=sys.stderr)
+    from .cli import print_error
+
+    print_error(msg, PROG)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,8 +50,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine.discovery import choose, discover
-    from engine.environment import DeviceUnavailable, probe_device, visible_gpus
+    from engine import DeviceUnavailable, choose, discover, probe_device, visible_gpus
+
+    from .cli import write_out
 
     paths = list(getattr(args, "paths", None) or [])
     for p in paths:
@@ -70,37 +74,37 @@ def _run(args: argparse.Namespace) -> int:
             row = c.to_json()
             row["picked"] = c.path == picked
             rows.append(row)
-        print(json.dumps(rows, indent=2))
+        write_out(json.dumps(rows, indent=2) + "\n")
         return 0
-    print(render_table(candidates, picked, device))
-    print()
-    print(("* " if choice.candidate else "") + f"pick: {choice.reason}")
+    pick = ("* " if choice.candidate else "") + f"pick: {single_line(choice.reason)}"
+    write_out(f"{render_table(candidates, picked, device)}\n\n{pick}\n")
     return 0
 
 
 def render_table(candidates, picked: str | None, device) -> str:
-    from engine.discovery import format_params
-    from engine.environment import format_bytes
+    """The table, every name, path and reason made terminal-safe and one line (they come from folder names and
+    config files)."""
+    from engine import format_bytes, format_params
 
     if not candidates:
-        return f"no models found (device {device.describe()})"
+        return f"no models found (device {single_line(device.describe())})"
     header = ("", "NAME", "FAMILY", "PARAMS", "DTYPE", "MTP", "MEMORY", "FITS", "SOURCE", "STATUS")
     rows = []
     for c in candidates:
         rows.append((
             "*" if c.path == picked else "",
-            c.name,
-            c.family or "?",
+            single_line(c.name),
+            single_line(c.family or "?"),
             format_params(c.params),
-            c.dtype or "?",
+            single_line(c.dtype or "?"),
             str(c.mtp_layers) if c.mtp_layers else "-",
             format_bytes(c.mem_bytes) if c.mem_bytes is not None else "?",
             "yes" if c.fits_device else "no",
-            c.source,
-            "ok" if c.supported else f"unsupported: {c.reason}",
+            single_line(c.source),
+            "ok" if c.supported else f"unsupported: {single_line(c.reason)}",
         ))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
-    lines = [f"models for {device.describe()}", ""]
+    lines = [f"models for {single_line(device.describe())}", ""]
 
     def fmt(r):
         return "  ".join(v.ljust(w) for v, w in zip(r[:-1], widths)) + "  " + r[-1]
@@ -108,7 +112,7 @@ def render_table(candidates, picked: str | None, device) -> str:
     lines.append(fmt(header).rstrip())
     for r, c in zip(rows, candidates):
         lines.append(fmt(r).rstrip())
-        lines.append(" " * (widths[0] + 2) + c.path)
+        lines.append(" " * (widths[0] + 2) + single_line(c.path))
         for note in c.notes:
-            lines.append(" " * (widths[0] + 2) + f"note: {note}")
+            lines.append(" " * (widths[0] + 2) + f"note: {single_line(note)}")
     return "\n".join(lines)

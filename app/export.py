@@ -13,7 +13,6 @@ from pathlib import Path
 from .stats import stats_line
 from .store import Conversation, CycleRow, Store
 
-PHASES = ["prefill", "priming", "draft", "verify", "accept", "commit", "refresh", "sampling", "detokenize"]
 FORMATS = {
     "md": "transcript (Markdown)",
     "json": "transcript (JSON, per-token sources)",
@@ -88,6 +87,8 @@ def _cycle_record(row: CycleRow) -> dict:
 
 
 def timing_csv(rows: list[CycleRow]) -> str:
+    from engine import PHASES  # here, not at import: importing the engine imports torch
+
     phases = list(PHASES)
     for row in rows:
         phases += [p for p in row.phase_ms if p not in phases]

@@ -10,8 +10,8 @@ from textual.containers import VerticalScroll
 from textual.content import Content
 from textual.widgets import Label, Sparkline, Static
 
-from .export import PHASES
 from .live import LiveStatic
+from .safe_text import terminal_safe
 from .stats import ReplyStats
 
 DASH = "—"
@@ -101,8 +101,12 @@ class TimingPane(VerticalScroll):
 
         totals = stats.phase_ms
         last_phases = last.phase_ms if last else {}
-        names = [p for p in PHASES if p in totals or p in last_phases]
-        names += [p for p in list(totals) + list(last_phases) if p not in names]
+        names = []
+        if totals or last_phases:  # the engine's phase order (there are phases only once it has run)
+            from engine import PHASES
+
+            names = [p for p in PHASES if p in totals or p in last_phases]
+            names += [p for p in list(totals) + list(last_phases) if p not in names]
         grand = sum(totals.values()) or 1.0
         rows: list[list[Cell]] = [["", ("last cycle", "dim"), ("reply", "dim"), ("share", "dim")]]
         for name in names:
@@ -137,7 +141,7 @@ def _scalar(value) -> str:
         return f"{value:.4g}"
     if isinstance(value, (list, tuple)):
         return ", ".join(_scalar(v) for v in value) if value else DASH
-    return str(value)
+    return terminal_safe(str(value))  # paths, model names, error texts: never raw to the terminal
 
 
 def _section(value) -> Table | Text:
@@ -154,9 +158,9 @@ def _section(value) -> Table | Text:
                 for sub_key, sub in rest:
                     line = _scalar(sub) if sub_key == "reason" else f"{sub_key}: {_scalar(sub)}"
                     cell.append(f"\n{line}", style="dim")
-                table.add_row(str(key), cell)
+                table.add_row(_scalar(key), cell)
             else:
-                table.add_row(str(key), _scalar(item if key != "params" else human_count(item)))
+                table.add_row(_scalar(key), _scalar(item if key != "params" else human_count(item)))
         return table
     if isinstance(value, list):
         if not value:
@@ -179,11 +183,11 @@ class DiagnosticsPane(VerticalScroll):
         yield Static("loading…", id="diag-body")
 
     def show_loading(self, model: str | None) -> None:
-        self.query_one("#diag-body", Static).update(Text(f"loading {model or 'the default model'}…"))
+        self.query_one("#diag-body", Static).update(Text(terminal_safe(f"loading {model or 'the default model'}…")))
 
     def show_failed(self, error: str) -> None:
         text = Text("no model loaded\n", style="bold")
-        text.append(error, style="red")
+        text.append(terminal_safe(error), style="red")
         self.query_one("#diag-body", Static).update(text)
 
     def show(self, info, diagnostics: dict) -> None:
@@ -194,7 +198,7 @@ class DiagnosticsPane(VerticalScroll):
         sections = {"model": sections.pop("model"), **sections}
         parts = []
         for title, value in sections.items():
-            parts.append(Text(str(title), style="bold"))
+            parts.append(Text(_scalar(title), style="bold"))
             parts.append(_section(value))
             parts.append(Text(""))
         self.query_one("#diag-body", Static).update(Group(*parts))

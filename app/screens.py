@@ -18,6 +18,7 @@ from textual.widgets import Button, Checkbox, DataTable, Input, Label, Static, T
 
 from .export import FORMATS, ExportError
 from .panes import human_count
+from .safe_text import terminal_safe
 from .settings import Settings
 
 
@@ -176,8 +177,8 @@ class ExportScreen(Dialog):
         try:
             written = self.do_export(directory, formats)
         except ExportError as exc:
-            self.query_one("#export-error", Label).update(f"export failed: {exc}")
-            self.notify(f"Export failed: {exc}", severity="error")
+            self.query_one("#export-error", Label).update(Text(terminal_safe(f"export failed: {exc}")))
+            self.notify(f"Export failed: {exc}", severity="error", markup=False)
             return
         self.dismiss(written)
 
@@ -191,8 +192,14 @@ def _yes(value) -> str:
     return "—" if value is None else ("yes" if value else "no")
 
 
+def _cell(value) -> Text:
+    """A table cell from text found on disk (a folder's name, a config's field): shown as it is, never read as
+    markup nor passed to the terminal with its control characters."""
+    return Text(terminal_safe(str(value)))
+
+
 class ModelPickerScreen(Dialog):
-    """Discovered models (``engine.discovery.discover``) plus a path field; returns the chosen path."""
+    """Discovered models (``engine.discover``) plus a path field; returns the chosen path."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
@@ -205,7 +212,7 @@ class ModelPickerScreen(Dialog):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="models-dialog"):
             yield Label("Models", classes="dialog-title")
-            yield Label(f"loaded: {self.current or '—'}", id="models-current")
+            yield Label(f"loaded: {terminal_safe(self.current or '—')}", id="models-current", markup=False)
             table = DataTable(id="models-table", cursor_type="row", zebra_stripes=True)
             table.add_columns("name", "family", "params", "MTP", "fits", "status")
             yield table
@@ -225,7 +232,7 @@ class ModelPickerScreen(Dialog):
         try:
             discover = self._discover
             if discover is None:
-                from engine.discovery import discover
+                from engine import discover
             candidates = list(discover())
             error = None
         except Exception as exc:  # discovery problems must not break the picker
@@ -242,13 +249,14 @@ class ModelPickerScreen(Dialog):
             if supported and getattr(c, "reason", None):
                 status = getattr(c, "reason")
             table.add_row(
-                getattr(c, "name", "?"), getattr(c, "family", "?") or "?",
-                human_count(getattr(c, "params", None)), str(getattr(c, "mtp_layers", "—")),
-                _yes(getattr(c, "fits_device", None)), status, key=str(index),
+                *map(_cell, (getattr(c, "name", "?"), getattr(c, "family", "?") or "?",
+                             human_count(getattr(c, "params", None)), str(getattr(c, "mtp_layers", "—")),
+                             _yes(getattr(c, "fits_device", None)), status)),
+                key=str(index),
             )
         status = self.query_one("#models-status", Label)
         if error:
-            status.update(f"discovery failed: {error}")
+            status.update(Text(terminal_safe(f"discovery failed: {error}")))
         else:
             status.update(f"{len(candidates)} model(s) found — enter loads the highlighted one")
 
@@ -256,7 +264,8 @@ class ModelPickerScreen(Dialog):
     def _pick(self, event: DataTable.RowSelected) -> None:
         candidate = self.candidates[int(event.row_key.value)]
         if not getattr(candidate, "supported", True):
-            self.notify(f"{candidate.name} is not supported: {getattr(candidate, 'reason', '')}", severity="warning")
+            self.notify(f"{candidate.name} is not supported: {getattr(candidate, 'reason', '')}", severity="warning",
+                        markup=False)
             return
         self.dismiss(str(candidate.path))
 
@@ -310,7 +319,8 @@ class ConversationsScreen(Dialog):
         for conv in self.list_conversations():
             marker = "● " if conv.id == self.current else ""
             updated = time.strftime("%Y-%m-%d %H:%M", time.localtime(conv.updated_at))
-            table.add_row(marker + (conv.title or "(empty chat)"), str(conv.messages), updated, key=str(conv.id))
+            table.add_row(_cell(marker + (conv.title or "(empty chat)")), str(conv.messages), updated,
+                          key=str(conv.id))
 
     @on(DataTable.RowSelected)
     def _open(self, event: DataTable.RowSelected) -> None:

@@ -1,4 +1,4 @@
-"""Live statistics of one reply, built from the cycles the decode thread reports. When the reply finishes,
+"""Live statistics of one reply, built from the engine's cycles the decode thread reports. When the reply finishes,
 the engine's own ``Finished.stats`` replace the live estimates."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .worker import CycleData
+    from engine import Cycle
 
 SERIES_LENGTH = 120  # points kept for the sparklines
 
@@ -21,7 +21,8 @@ class ReplyStats:
     accepted: int = 0
     first_token_ms: float | None = None  # time to first token, measured by the app's decode thread
     last_token_ms: float | None = None
-    last_cycle: CycleData | None = None
+    last_cycle: Cycle | None = None
+    last_cycle_ms: float | None = None  # when the decode thread received last_cycle, ms after the reply started
     phase_total_ms: dict[str, float] = field(default_factory=dict)
     position_tries: list[int] = field(default_factory=list)
     position_hits: list[int] = field(default_factory=list)
@@ -36,8 +37,9 @@ class ReplyStats:
             self.last_token_ms = t_ms
         self.tokens += count
 
-    def add_cycle(self, cycle: CycleData) -> None:
-        previous = self.last_cycle
+    def add_cycle(self, cycle: Cycle, t_ms: float) -> None:
+        """One of the engine's cycles, received by the decode thread ``t_ms`` after the reply started."""
+        previous_ms = self.last_cycle_ms
         self.cycles += 1
         self.drafted += cycle.drafted
         self.accepted += cycle.accepted
@@ -50,15 +52,15 @@ class ReplyStats:
             self.position_tries[pos] += 1
             self.position_hits[pos] += bool(hit)
         # throughput of this cycle: wall time since the previous one, or its phase times for the first
-        if previous is not None and cycle.t_ms > previous.t_ms:
-            seconds = (cycle.t_ms - previous.t_ms) / 1000
+        if previous_ms is not None and t_ms > previous_ms:
+            seconds = (t_ms - previous_ms) / 1000
         else:
             seconds = sum(cycle.phase_ms.values()) / 1000
         if seconds > 0:
             self._push(self.tps_series, cycle.committed / seconds)
         if cycle.drafted:
             self._push(self.acceptance_series, cycle.accepted / cycle.drafted)
-        self.last_cycle = cycle
+        self.last_cycle, self.last_cycle_ms = cycle, t_ms
 
     @staticmethod
     def _push(series: list[float], value: float) -> None:

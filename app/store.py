@@ -15,8 +15,10 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterable
 
 from . import paths
+from .safe_text import terminal_safe
 
 MIGRATIONS: list[str] = [
     # v0 -> v1: conversations and plain-text messages
@@ -82,8 +84,10 @@ class StoreError(Exception):
 
 
 def title_for(first_message: str) -> str:
-    """A conversation's title: its first user message on one line, cut at 60 characters."""
-    return " ".join(first_message.split())[:60]
+    """A conversation's title: its first user message on one line, without control characters or escape
+    sequences (titles are shown in the header and the conversation list), cut at 60 characters. The message
+    itself is stored as written."""
+    return " ".join(terminal_safe(first_message).split())[:60]
 
 
 @dataclass
@@ -268,10 +272,11 @@ class Store:
 
     def append_reply(
         self, message_id: int, text: str, token_ids: list[int], sources: list[str], pieces: list[str],
-        cycles=(),
+        cycles: Iterable[tuple[Any, float]] = (),
     ) -> None:
         """Persist one streamed chunk of a reply and the cycles that produced it, in one transaction.
-        ``cycles``: objects with CycleRow's fields (but message_id), e.g. the decode thread's CycleData."""
+        ``cycles``: (cycle, t_ms) pairs, a cycle having CycleRow's fields but message_id and t_ms (the engine's
+        ``Cycle``), t_ms when it reached the app, milliseconds after the reply started."""
         with self.conn:
             self.conn.execute("BEGIN")
             if text:
@@ -288,8 +293,8 @@ class Store:
                 [
                     (message_id, c.index, c.depth, c.drafted, c.accepted,
                      "".join("1" if a else "0" for a in c.accepted_per_position), c.committed,
-                     json.dumps(c.phase_ms), c.t_ms)
-                    for c in cycles
+                     json.dumps(c.phase_ms), t_ms)
+                    for c, t_ms in cycles
                 ],
             )
 

@@ -24,18 +24,22 @@ from textual.widgets import Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownFence
 
 from .live import LiveStatic
+from .safe_text import terminal_safe
 from .stats import stats_line
 from .store import Message as StoredMessage
 
 DRAFT_STYLE = "$draft-token-text on $draft-token"
 
-# Control characters a model may emit are shown as their Unicode "control pictures" (one character for one, so
-# highlight offsets stay exact); newline and tab are kept.
+# Message text never reaches the terminal raw (an escape sequence in a reply could retitle the terminal, write
+# the clipboard, ...). C0 controls a model or a paste may put in, ESC and BEL included, are shown as their
+# Unicode "control pictures" (newline and tab are kept), so "\x1b]0;x\x07" reads "␛]0;x␇"; what terminal_safe
+# strips after that (C1 controls) is dropped. The stored text stays as it was written.
 _VISIBLE = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"} | {0x7F: 0x2421}
 
 
 def visible(text: str) -> str:
-    return text.translate(_VISIBLE)
+    """``text`` as it may be shown in a widget: no control character, no escape sequence."""
+    return terminal_safe(text.translate(_VISIBLE))
 
 
 def highlighted(pieces: list[str], sources: list[str]) -> Content:
@@ -51,11 +55,12 @@ def highlighted(pieces: list[str], sources: list[str]) -> Content:
         elif run_start is not None:
             spans.append(Span(run_start, offset, DRAFT_STYLE))
             run_start = None
-        text_parts.append(piece)
-        offset += len(piece)
+        shown = visible(piece)  # piece by piece, so the offsets are those of the text shown
+        text_parts.append(shown)
+        offset += len(shown)
     if run_start is not None and offset > run_start:
         spans.append(Span(run_start, offset, DRAFT_STYLE))
-    return Content(visible("".join(text_parts)), spans, strip_control_codes=False)
+    return Content("".join(text_parts), spans, strip_control_codes=False)
 
 
 def code_blocks(markdown: str) -> list[str]:
@@ -101,7 +106,7 @@ class MessageView(Vertical, can_focus=True):
         m = self.message
         if m.role == "user":
             return "You"
-        return f"Assistant · {m.model}" if m.model else "Assistant"
+        return f"Assistant · {terminal_safe(m.model)}" if m.model else "Assistant"
 
     def _footer(self) -> str:
         m = self.message
@@ -117,7 +122,7 @@ class MessageView(Vertical, can_focus=True):
             notes.append("interrupted (the app was closed while it was generating)")
         if m.error:
             notes.append(f"error: {m.error}")
-        return " · ".join(notes)
+        return terminal_safe(" · ".join(notes))  # an error may quote model text or a path
 
     def _highlight_content(self) -> Content:
         m = self.message

@@ -30,6 +30,7 @@ from . import paths
 from .export import export_conversation
 from .live import LiveStatic
 from .panes import DiagnosticsPane, TimingPane
+from .safe_text import terminal_safe
 from .screens import ConversationsScreen, ExportScreen, HelpScreen, ModelPickerScreen, SettingsScreen
 from .settings import DEPTH_KEYS, MAX_DEPTH, Settings, load_settings, save_settings
 from .stats import ReplyStats
@@ -63,8 +64,8 @@ EMPTY_HINT = Content.assemble(
 
 
 @dataclass
-class Request:
-    """The reply being generated."""
+class StreamingReply:
+    """The reply being generated: its stored message, its view and its live numbers."""
 
     message: Message
     view: MessageView | None  # None once its conversation is no longer shown
@@ -124,7 +125,7 @@ class MtpChatApp(App):
         self.model_path: str | None = None
         self.store: Store | None = None
         self.conversation: Conversation | None = None
-        self.request: Request | None = None
+        self.request: StreamingReply | None = None
         self.last_stats = ReplyStats()
         self._stats_dirty = False
         self._save_error_shown = False
@@ -133,6 +134,13 @@ class MtpChatApp(App):
         self.engine_info, self.engine_diagnostics = None, {}  # the loaded model's, refreshed after every reply
         for theme in themes.load_themes():
             self.register_theme(theme)
+
+    def notify(self, message: str, *, title: str = "", severity="information", timeout: float | None = None,
+               markup: bool = False) -> None:
+        """Notices quote errors, paths and model names: always shown terminal-safe; the app's own notices are
+        not read as markup (widgets' ``notify`` asks for markup unless told otherwise)."""
+        super().notify(terminal_safe(message), title=terminal_safe(title), severity=severity, timeout=timeout,
+                       markup=markup)
 
     # theme -----------------------------------------------------------------------------------------------
     def get_theme_variable_defaults(self) -> dict[str, str]:
@@ -228,6 +236,14 @@ class MtpChatApp(App):
         model = self.model_name or ("loading…" if self.engine_state == "loading" else "no model")
         return f"{model} — {title}" if title else model
 
+    # the header shows these: a conversation title (one saved before titles were made terminal-safe) or a model
+    # folder's name must not reach the terminal as escape sequences (an OSC 0 would retitle the terminal)
+    def validate_title(self, title: str) -> str:
+        return terminal_safe(title)
+
+    def validate_sub_title(self, sub_title: str) -> str:
+        return terminal_safe(sub_title)
+
     def history(self) -> list[dict]:
         """What the model sees: the system prompt, then the turns (failed or empty replies left out)."""
         conv = self.conversation
@@ -296,9 +312,13 @@ class MtpChatApp(App):
 
     async def generate(self) -> None:
         """Ask for the next assistant reply of the open conversation."""
-        reply = self._add_message("assistant", status="streaming", model=self.model_name)
+        try:
+            reply = self._add_message("assistant", status="streaming", model=self.model_name)
+        except sqlite3.Error as exc:  # the user's message is saved and shown: ctrl+r asks again
+            self.notify(f"Could not save the reply: {exc}. Your message is kept; ctrl+r retries.", severity="error")
+            return
         view = await self._mount_message(reply, streaming=True)
-        self.request = Request(reply, view)
+        self.request = StreamingReply(reply, view)
         self.request.stats.depth = self.depth
         self.ui("#transcript", VerticalScroll).anchor()
         s = self.settings
@@ -353,7 +373,7 @@ class MtpChatApp(App):
         self.sub_title = self._subtitle()
         self._update_status()
 
-    def _current(self, request_id: int) -> Request | None:
+    def _current(self, request_id: int) -> StreamingReply | None:
         request = self.request
         return request if request is not None and request.message.id == request_id else None
 
@@ -378,8 +398,8 @@ class MtpChatApp(App):
                     message.pieces, message.cycles)
         stats = request.stats
         stats.add_tokens(len(message.token_ids), message.t_ms)
-        for cycle in message.cycles:
-            stats.add_cycle(cycle)
+        for cycle, t_ms in message.cycles:
+            stats.add_cycle(cycle, t_ms)
         reply = request.message
         reply.content += message.text
         reply.token_ids += message.token_ids
@@ -417,7 +437,7 @@ class MtpChatApp(App):
                     severity="error", timeout=15)
         await self._end_request(request)
 
-    async def _end_request(self, request: Request) -> None:
+    async def _end_request(self, request: StreamingReply) -> None:
         try:
             if request.view is not None:
                 await request.view.finish()
@@ -450,7 +470,7 @@ class MtpChatApp(App):
         elif self.engine_state == "failed":
             parts.append("no model (f5 picks one)")
         else:
-            parts.append(self.model_name or "")
+            parts.append(terminal_safe(self.model_name or ""))
         parts.append(f"depth {self.depth}")
         if self.request is not None:
             tps = self.request.stats.tokens_per_s
@@ -598,7 +618,7 @@ class MtpChatApp(App):
             return
         if messages[-1].role == "assistant":
             last = messages.pop()
-            self.store.delete_message(last.id)
+            self._saved(self.store.delete_message, last.id)
             views = self.chat_screen.query(MessageView)
             if views and views.last().message.id == last.id:
                 await views.last().remove()
@@ -680,7 +700,7 @@ def run_tui(model: str | None = None, depth: int | None = None, device: str | No
     if tp > 1:  # rank 0 (this process) owns the UI; tp - 1 follower processes run the same cycles
         from multiprocessing import resource_tracker
 
-        from engine.tp_session import loader as tp_loader
+        from engine import tp_loader
 
         # start multiprocessing's helper while the real stdio is still ours: spawning it from inside the
         # running app fails (Textual has replaced stderr)

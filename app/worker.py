@@ -16,9 +16,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from textual.message import Message
+
+if TYPE_CHECKING:  # the engine (and torch) are imported on the decode thread, after the first frame
+    from engine import Cycle
 
 log = logging.getLogger("mtpchat.worker")
 
@@ -77,18 +80,6 @@ class EngineLoadFailed(Message):
 
 
 @dataclass
-class CycleData:
-    index: int
-    depth: int
-    drafted: int
-    accepted: int
-    accepted_per_position: list[bool]
-    phase_ms: dict[str, float]
-    committed: int
-    t_ms: float  # when the thread received it, ms after the request started
-
-
-@dataclass
 class ReplyStarted(Message):
     request_id: int
     prompt_tokens: int
@@ -104,8 +95,8 @@ class ReplyProgress(Message):
     text: str
     token_ids: list[int]
     sources: list[str]
-    pieces: list[str]  # the text of each token (for highlighting)
-    cycles: list[CycleData]
+    pieces: list[str]  # the text of each token (the engine's Tokens.pieces; for highlighting)
+    cycles: list[tuple[Cycle, float]]  # the engine's cycles, each with when the thread received it (ms after start)
     t_ms: float
 
 
@@ -126,29 +117,6 @@ class ReplyFailed(Message):
 
 
 # helpers ---------------------------------------------------------------------------------------------
-class TokenPieces:
-    """Text of each generated token, decoded incrementally with a small window (the vLLM offsets scheme), so
-    multi-byte characters split over tokens attach to the token that completes them."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix = 0
-        self.read = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        before = self._decode(self.ids[self.prefix : self.read])
-        after = self._decode(self.ids[self.prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return after[len(before) :]
-        return ""
-
-
 def describe_error(exc: BaseException) -> tuple[str, bool]:
     """One clear line for a failure, and whether it was an out-of-memory error."""
     name = type(exc).__name__
@@ -157,7 +125,7 @@ def describe_error(exc: BaseException) -> tuple[str, bool]:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else name
         return f"out of memory: {first} — try a smaller model, a lower depth or fewer max tokens", True
     try:
-        from engine.errors import EngineError
+        from engine import EngineError
     except Exception:  # engine not importable: report what we have
         EngineError = ()  # type: ignore[assignment]
     if isinstance(exc, EngineError):
@@ -300,14 +268,12 @@ class EngineWorker:
         if self.engine is None:
             self.post(ReplyFailed(rid, "no model is loaded — pick one with the model picker (F5)"))
             return self._drain()
-        from engine import DecodeControl, GenerationSettings
-        from engine.events import Cycle, Finished, Started, Tokens
+        from engine import Cycle, DecodeControl, Finished, GenerationSettings, Started, Tokens
 
         control = DecodeControl(depth=command.settings.get("depth", 0))
         with self._lock:
             self._control = control
         later: list[Command] = []
-        pieces = TokenPieces(self.engine.tokenizer)
         start = time.perf_counter()
         pending = dict(text=[], token_ids=[], sources=[], pieces=[], cycles=[])
         last_flush = 0.0
@@ -331,13 +297,9 @@ class EngineWorker:
                     pending["text"].append(event.text)
                     pending["token_ids"] += event.token_ids
                     pending["sources"] += event.sources
-                    pending["pieces"] += [pieces.add(t) for t in event.token_ids]
+                    pending["pieces"] += event.pieces  # decoded once, by the engine
                 elif isinstance(event, Cycle):
-                    pending["cycles"].append(CycleData(
-                        event.index, event.depth, event.drafted, event.accepted,
-                        list(event.accepted_per_position), dict(event.phase_ms), event.committed,
-                        (now - start) * 1000,
-                    ))
+                    pending["cycles"].append((event, (now - start) * 1000))
                 elif isinstance(event, Started):
                     self.post(ReplyStarted(rid, event.prompt_tokens, event.reused_tokens,
                                            _fallbacks(event.fallbacks)))

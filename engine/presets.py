@@ -79,24 +79,49 @@ def plant_next_token_map(embed: torch.Tensor, lm_head: torch.Tensor, rows: tuple
         lm_head[a - start : b - start] = (unit / unit.norm(dim=-1, keepdim=True)).to(lm_head.dtype)
 
 
-def random_model(preset: str, layers: int | None, device: str | None, dtype: str | None, seed: int = 0) -> Loaded:
+def random_model(preset: str, layers: int | None, device: str | None, dtype: str | None, seed: int = 0,
+                 group=None) -> Loaded:
+    """Random weights in a preset's shape. group (a tp.TPGroup): this rank's shard only, on the group's device;
+    the replicated tensors (embedding, norms, routers, the MTP fc) are broadcast from rank 0 so every rank
+    computes the same thing."""
     from .mtp import MTPHead
 
     family, cfg, kw = preset_config(preset, layers)
+    plan = None
+    if group is not None:
+        from .tp import ShardPlan
+
+        device = str(group.device)
+        plan = ShardPlan(cfg, group.rank, group.world, where=f"preset {preset}")
+    lcfg = plan.local_config if plan is not None else cfg
     dev, dt, fallbacks = default_device_dtype(device, dtype)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed + (group.rank if group is not None else 0))
     old = torch.get_default_dtype()
     torch.set_default_dtype(dt)
     try:
         with dev:
-            lm = family.causal_lm_class()(cfg)
-            head = MTPHead(MTPHead.layer_config(cfg, bool(kw.get("num_experts"))), family, 1)
+            lm = family.causal_lm_class()(lcfg)
+            if plan is not None:
+                plan.adapt(lm)  # lm_head: this rank's vocab rows
+            head = MTPHead(MTPHead.layer_config(lcfg, bool(kw.get("num_experts"))), family, 1)
     finally:
         torch.set_default_dtype(old)
-    plant_next_token_map(lm.model.embed_tokens.weight, lm.lm_head.weight)
+    if plan is not None:
+        with torch.no_grad():
+            for module, prefix in ((lm, ""), (head, "mtp.")):
+                for name, p in module.named_parameters():
+                    if plan.selection(prefix + name, tuple(p.shape)) is None:
+                        group.broadcast_(p.data)
+    # the same fixed seed on every rank: the replicated embedding is the same everywhere
+    plant_next_token_map(lm.model.embed_tokens.weight, lm.lm_head.weight, plan.vrange if plan is not None else None)
     lm.eval()
-    kinds = list(cfg.layer_types)
-    trunk = Trunk(family, cfg, lm, Rotary(cfg, dev), dev, dt, select_backends(dev), kinds, layer_slots(kinds))
+    kinds = list(lcfg.layer_types)
+    if group is not None:
+        group.vocab_size = cfg.vocab_size
+    trunk = Trunk(family, lcfg, lm, Rotary(lcfg, dev), dev, dt, select_backends(dev), kinds, layer_slots(kinds),
+                  group=group)
+    if group is not None:
+        group.plan = plan
     head.attach(trunk)
     head.eval()
     fallbacks.append(Fallback("weights", f"random weights in the {preset} shape: output text is meaningless"))

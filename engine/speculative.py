@@ -2,7 +2,7 @@
 
 State passed explicitly: `Request` holds the committed sequence and the counters of one generation; the trunk
 caches hold the processed prefix: every committed token but the last, or (after greedy plain decoding ran one
-step ahead, see `ahead`) every committed token.
+step ahead, see `cycle`) every committed token.
 """
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ class Flight:
     """What the loop has launched on the device ahead of the host, between two calls of cycle()."""
     launched: "Launched | None" = None  # the next cycle's draft and verify
     error: Exception | None = None  # its launch's failure: raised by the next cycle, after this one's tokens
-    ahead: torch.Tensor | None = None  # greedy plain decoding: the token of a step already run for the last one
-    host: tuple | None = None  # (pinned host buffer, CUDA event): tokens read without waiting for later steps
+    # (pinned host buffer, CUDA event) pairs, taken in turn: a launch's acceptance is read into one without
+    # waiting for later steps, while the cycle launched after it reads into the other
+    host: list = field(default_factory=lambda: [None, None])
+    turn: int = 0
 
 
 class StateLost(RuntimeError):
@@ -120,68 +122,21 @@ def decode_step(trunk, caches, drafter, inp: torch.Tensor):
     return stepped
 
 
-def plain_step(trunk, caches, drafter, req: Request) -> torch.Tensor | None:
-    """decode_step for the last committed token, read on the device. Returns its greedy token (a copy: the graph's
-    outputs are static), or None when the step has no graph."""
-    stepped = decode_step(trunk, caches, drafter, req.seq[req.length - 1 : req.length].unsqueeze(0))
-    return None if stepped is None else stepped[2].clone()
-
-
-def runs_plain_ahead(trunk, req: Request, depth: int) -> bool:
-    """Greedy plain decoding with graphs runs one step ahead of the host itself (plain_ahead)."""
-    return depth == 0 and req.sampling.greedy and trunk.graphs is not None
-
-
 def start_read(values: torch.Tensor, flight: Flight):
-    """Copy values [n] (long) to the host behind the work queued so far, into flight.host's pinned buffer; returns
-    the event to wait on (None on the CPU, where the copy is done). Waiting on it does not wait for work launched
-    afterwards."""
+    """Copy values [n] (long) to the host behind the work queued so far, into the next of flight's pinned
+    buffers; returns (that buffer, the event to wait on: None on the CPU, where the copy is done). Waiting on it
+    does not wait for work launched afterwards."""
     n = values.shape[0]
-    if flight.host is None or flight.host[0].shape[0] < n:
+    flight.turn ^= 1
+    if flight.host[flight.turn] is None or flight.host[flight.turn][0].shape[0] < n:
         cuda = values.is_cuda
-        flight.host = torch.empty(max(n, 16), dtype=torch.long, pin_memory=cuda), torch.cuda.Event() if cuda else None
-    buf, ready = flight.host
+        flight.host[flight.turn] = (torch.empty(max(n, 16), dtype=torch.long, pin_memory=cuda),
+                                    torch.cuda.Event() if cuda else None)
+    buf, ready = flight.host[flight.turn]
     buf[:n].copy_(values, non_blocking=True)
     if ready is not None:
         ready.record()
-    return ready
-
-
-def plain_ahead(trunk, caches, drafter, req: Request, flight: Flight, depth: int, timer: PhaseTimer):
-    """Greedy plain decoding one step ahead: the step for token n + 1 is launched before the host reads token
-    n + 1, its input taken on the device. The GPU then never waits for the host (the graph launch, 0.4 ms on the
-    27B shape, and the loop's bookkeeping, about 0.45 ms more, measured on the H200 with profile_step.py
-    --host); a step cannot be taken back, so the one past a reply's end leaves its last token processed too
-    (the next turn's prompt holds it). Same tokens as cycle(). None when the step has no graph."""
-    timer.start_cycle()
-    stepped = flight.ahead is not None  # the token's step ran: its state is written
-    try:
-        with timer.phase("verify"):
-            token, flight.ahead = flight.ahead, None
-            if token is None:
-                token = plain_step(trunk, caches, drafter, req)
-                if token is None:
-                    return None
-                stepped = True
-            req.append(token)  # committed: greedy plain decoding keeps every token it makes (room reserved)
-            ready = start_read(token, flight)
-            if depth == 0 and len(req.generated) + 1 < req.max_new:
-                flight.ahead = plain_step(trunk, caches, drafter, req)  # processes the token just appended
-        with timer.phase("accept"):
-            if ready is not None:
-                ready.synchronize()
-            tok = int(flight.host[0][0])
-    except BaseException as e:
-        flight.ahead = None
-        abandon(caches, drafter, e, stepped)
-        raise
-    req.cycles += 1
-    req.generated.append(tok)
-    if tok in req.stop_ids:
-        req.finish, flight.ahead = "eos", None  # the step ahead processed the EOS; its own token is dropped
-    elif len(req.generated) >= req.max_new:
-        req.finish = "length"
-    return [tok], [TARGET], Cycle(req.cycles, 0, 0, 0, [], timer.collect(), 1)
+    return buf, ready
 
 
 def verify_pass(trunk, caches, inp: torch.Tensor, drafter=None):
@@ -212,7 +167,8 @@ class Launched:
     drafts: torch.Tensor  # [k]
     hidden: torch.Tensor  # the verify pass's hidden states [1, k + 1, H] (static with graphs)
     packed: torch.Tensor  # [m, the target's token per position (k + 1), the drafts (k)]
-    ready: object  # the event after which flight.host holds `packed` (None on the CPU)
+    host: torch.Tensor  # the pinned buffer `packed` is copied into
+    ready: object  # the event after which `host` holds `packed` (None on the CPU)
     stepped: bool  # plain decoding's in-place graph step ran: t_n is processed already
     refreshed: tuple | None = None  # the head refreshed inside the verify graph: (first draft, hidden), static
 
@@ -229,8 +185,8 @@ def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, tim
             inp = (torch.cat([seq[-1:], drafts]) if k else seq[-1:]).unsqueeze(0)
             out = decode_step(trunk, caches, drafter, inp) if k == 0 and trunk.graphs is not None else None
             stepped = out is not None
-            if stepped:
-                (hidden, logits, _), packed = out, None
+            if stepped:  # (greedy: the acceptance came out of the step's graph; a copy, the next replay reuses it)
+                hidden, logits, packed = out[0], out[1], out[2].clone() if req.sampling.greedy else None
             else:
                 caches.kv.reserve(k + 1)
                 head = drafter if k and refreshes_in_verify(trunk, drafter, req) else None
@@ -243,41 +199,54 @@ def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, tim
                 packed = torch.cat([m, targets, drafts])
             elif packed is None:
                 packed = sampling.accept_greedy(logits, inp)
-            ready = start_read(packed, flight)
+            host, ready = start_read(packed, flight)
     except BaseException as e:
         abandon(caches, drafter, e, stepped)
         raise
-    return Launched(k, drafts, hidden, packed, ready, stepped, refreshed)
+    return Launched(k, drafts, hidden, packed, host, ready, stepped, refreshed)
 
 
 def drop_in_flight(caches, drafter, flight: Flight) -> None:
     """Forget what was launched ahead and will not be finished (the reply stopped or failed): like a failed
-    cycle, it leaves the committed state (a plain in-place step leaves its token processed, as plain_ahead's
-    does)."""
-    launched, flight.launched, flight.error, flight.ahead = flight.launched, None, None, None
+    cycle, it leaves the committed state (an in-place plain step leaves its token processed: the next turn's prompt
+    holds that token)."""
+    launched, flight.launched, flight.error = flight.launched, None, None
     if launched is not None and not launched.stepped:
         back_to_committed(caches, drafter)
 
 
 def cycle(trunk, caches, drafter, req: Request, flight: Flight, depth: int, timer: PhaseTimer):
-    """One cycle. Returns (new tokens, their sources, Cycle stats). Leaves committed state on any exception.
+    """One cycle: launch (draft, verify), finish (read the acceptance, commit), and with graphs the next cycle
+    launched before this one returns (flight.launched): the GPU works while the host hands out this cycle's
+    tokens, and the next call only waits for them. Its depth is this call's: a live depth change applies one
+    cycle later. Plain decoding is depth 0: with graphs its step runs in place, and greedy, the step for the next
+    token is launched before the host reads this one (its input is read on the device), so the GPU never waits
+    for the host (the graph launch, 0.4 ms on the 27B shape, and the loop's bookkeeping, about 0.45 ms more,
+    measured on the H200 with profile_step.py --host). A step cannot be taken back: the one past a reply's end
+    leaves its token processed (the next turn's prompt holds it).
 
-    With graphs, the next cycle's draft and verify are launched before this one returns (flight.launched): the
-    GPU works while the host hands out this cycle's tokens, and the next call only waits for them. Its depth
-    is this call's: a live depth change applies one cycle later."""
+    Returns (new tokens, their sources, Cycle stats). Leaves the committed state on any exception, or raises
+    StateLost when there is none left."""
     if flight.error is not None:  # raised by the launch ahead, after that cycle's tokens were handed out
         error, flight.error = flight.error, None
         raise error
-    launched, flight.launched = flight.launched, None
-    if launched is None and (flight.ahead is not None or runs_plain_ahead(trunk, req, depth)):
-        done = plain_ahead(trunk, caches, drafter, req, flight, depth, timer)  # a depth change applies after it
-        if done is not None:
-            return done
-    if launched is None:  # (a launched cycle's phases were recorded by the call before: they count here)
+    c, flight.launched = flight.launched, None
+    if c is None:  # (a launched cycle's phases were recorded by the call before: they count here)
         timer.start_cycle()
-        launched = launch(trunk, caches, drafter, req, flight, depth, timer)
-    out, sources, stats = finish(trunk, caches, drafter, req, flight, launched, timer)
-    if req.finish is None and trunk.graphs is not None and not runs_plain_ahead(trunk, req, depth):
+        c = launch(trunk, caches, drafter, req, flight, depth, timer)
+    ahead = c.stepped and req.sampling.greedy  # its token is known on the device: committed before it is read
+    if ahead:
+        try:
+            req.append(c.packed[1:2])
+            if depth == 0 and len(req.generated) + 1 < req.max_new:
+                flight.launched = launch(trunk, caches, drafter, req, flight, depth, timer)
+        except BaseException as e:
+            abandon(caches, drafter, e, stepped=True)
+            raise
+    out, sources, stats = finish(trunk, caches, drafter, req, flight, c, timer, appended=ahead)
+    if req.finish is not None:
+        flight.launched = None  # a step ahead of the EOS processed it; its own token is dropped
+    elif flight.launched is None and trunk.graphs is not None:
         try:
             flight.launched = launch(trunk, caches, drafter, req, flight, depth, timer)
         except StateLost:
@@ -287,15 +256,17 @@ def cycle(trunk, caches, drafter, req: Request, flight: Flight, depth: int, time
     return out, sources, stats
 
 
-def finish(trunk, caches, drafter, req: Request, flight: Flight, c: Launched, timer: PhaseTimer):
+def finish(trunk, caches, drafter, req: Request, flight: Flight, c: Launched, timer: PhaseTimer,
+           appended: bool = False):
     """Read a launched cycle's acceptance (the one host sync of the cycle) and commit it as one transaction:
     prepare does everything that reads, allocates or can fail and mutates nothing committed; apply writes the
-    trunk caches, the drafter and the request, in that order, into storage that exists already."""
+    trunk caches, the drafter and the request, in that order, into storage that exists already. appended: the
+    cycle's one token is in the request already (greedy in-place plain steps, see cycle)."""
     k = c.k
     try:  # prepare
         if c.ready is not None:
             c.ready.synchronize()
-        host = flight.host[0][: 2 * k + 2].tolist()
+        host = c.host[: 2 * k + 2].tolist()
         m, targets_h, drafts_h = host[0], host[1 : k + 2], host[k + 2 :]
         out = drafts_h[:m] + [targets_h[m]]
         sources = [DRAFT] * m + [TARGET]
@@ -327,7 +298,8 @@ def finish(trunk, caches, drafter, req: Request, flight: Flight, c: Launched, ti
                         drafter.observe_kept(kept)
         # (outside the commit phase: plain decoding appends its tokens too; the phase is the speculative
         # transaction's own cost)
-        req.append(tokens)
+        if not appended:
+            req.append(tokens)
     except BaseException as e:
         abandon(caches, drafter, e, stepped=True)
         raise

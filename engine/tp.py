@@ -351,52 +351,6 @@ class ShardPlan:
         return d
 
 
-# --- random weights (benchmarks at real shapes) ---------------------------------------------------------------
-
-
-def random_model(preset: str, layers: int | None, group: TPGroup, dtype: str | None, seed: int = 0):
-    """presets.random_model, sharded: each rank builds only its local modules; replicated tensors (embedding,
-    norms, routers, the MTP fc) are broadcast from rank 0 so every rank computes the same thing."""
-    from .events import Fallback
-    from .kernels import select_backends
-    from .model import Loaded, Rotary, Trunk, default_device_dtype, layer_slots
-    from .mtp import MTPHead
-    from .presets import plant_next_token_map, preset_config
-
-    family, cfg, kw = preset_config(preset, layers)
-    dev, dt, fallbacks = default_device_dtype(str(group.device), dtype)
-    plan = ShardPlan(cfg, group.rank, group.world, where=f"preset {preset}")
-    lcfg = plan.local_config
-    torch.manual_seed(seed + group.rank)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dt)
-    try:
-        with dev:
-            lm = family.causal_lm_class()(lcfg)
-            plan.adapt(lm)
-            head = MTPHead(MTPHead.layer_config(lcfg, bool(kw.get("num_experts"))), family, 1)
-    finally:
-        torch.set_default_dtype(old)
-    with torch.no_grad():
-        for module, prefix in ((lm, ""), (head, "mtp.")):
-            for name, p in module.named_parameters():
-                if plan.selection(prefix + name, tuple(p.shape)) is None:
-                    group.broadcast_(p.data)
-    plant_next_token_map(lm.model.embed_tokens.weight, lm.lm_head.weight, plan.vrange)  # same seed on every rank
-    lm.eval()
-    head.eval()
-    kinds = list(lcfg.layer_types)
-    slots = layer_slots(kinds)
-    group.vocab_size = cfg.vocab_size
-    trunk = Trunk(family, lcfg, lm, Rotary(lcfg, dev), dev, dt, select_backends(dev), kinds, slots, group=group)
-    group.plan = plan
-    head.attach(trunk)
-    fallbacks.append(Fallback("weights", f"random weights in the {preset} shape: output text is meaningless"))
-    params = sum(p.numel() for p in lm.parameters())
-    return Loaded(f"random:{preset}", f"random:{preset}", kw, trunk, head, 1,
-                  params, fallbacks)
-
-
 # --- launch -------------------------------------------------------------------------------------------------
 
 
@@ -423,11 +377,93 @@ def _backend_and_devices(device: str | None, world: int) -> str:
             raise EngineError(f"--device {device!r} with --tp: give plain 'cuda' (rank r uses cuda:r)")
         n = torch.cuda.device_count()
         if n < world:
-            raise EngineError(f"--tp {world}: only {n} CUDA device(s) visible")
+            raise EngineError(f"--tp {world}: only {n} CUDA device{'' if n == 1 else 's'} visible")
         return "cuda"
     if device != "cpu":
         raise EngineError(f"--device {device!r}: expected cpu or cuda")
     return "cpu"
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def check_split(world: int, model: str | None = None, preset: str | None = None, layers: int | None = None) -> None:
+    """The model's heads split `world` ways (every rank's ShardPlan can be made), read from config.json (or a
+    random-weights preset) alone: nothing is loaded. Raises EngineError naming what does not split."""
+    if preset is not None:
+        from .presets import preset_config
+
+        _, cfg, _ = preset_config(preset, layers)
+        where = f"preset {preset}"
+    else:
+        from .checkpoint import model_dir, read_json
+        from .families import family_for
+
+        root = model_dir(model)
+        where = str(root / "config.json")
+        raw = read_json(root / "config.json", "config.json")
+        family = family_for(raw, where)
+        try:
+            cfg = family.text_config(raw)
+        except Exception as e:
+            raise EngineError(f"{where}: invalid {family.name} config ({str(e)[:200]})") from None
+    for rank in range(world):
+        ShardPlan(cfg, rank, world, where=where)
+
+
+def check_tp(world: int, device: str | None = None, model: str | None = None, preset: str | None = None,
+             layers: int | None = None) -> str:
+    """Before anything is spawned: `world` ranks fit this machine (a CUDA device each, or on the CPU at most one
+    rank per core) and the model (a folder, or a random-weights preset; none: not checked) splits `world` ways.
+    Returns the group's device kind, 'cpu' or 'cuda'. Raises EngineError with the reason."""
+    if world < 1:
+        raise EngineError(f"--tp {world}: must be at least 1")
+    kind = _backend_and_devices(device, world)
+    if kind == "cpu" and world > 1:
+        cores = cpu_cores()
+        if world > cores:
+            raise EngineError(f"--tp {world}: only {cores} CPU core{'' if cores == 1 else 's'} here "
+                              f"(on the CPU each rank needs a core of its own)")
+    if world > 1 and (model is not None or preset is not None):
+        check_split(world, model, preset, layers)
+    return kind
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+WATCH_S = 0.5  # how often a worker checks that its parent is still there
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Called first thing in a spawned worker: it must not outlive the process that started it (a parent killed
+    with SIGTERM or SIGKILL cannot stop its workers itself). On Linux the kernel sends the worker SIGKILL when
+    its parent goes (prctl PR_SET_PDEATHSIG; strictly, when the parent *thread* that spawned it ends: launch()
+    spawns from the main thread, the chat from its engine thread, which lives as long as the engine). Everywhere,
+    a watchdog thread also ends the worker once it has been reparented (its parent pid changed)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog below still ends this worker
+    if os.getppid() != parent_pid:  # the parent went before the death signal was armed
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl+c is the parent's to answer; this worker ends with it
+
+    def watch() -> None:
+        while True:
+            time.sleep(WATCH_S)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    import threading
+
+    threading.Thread(target=watch, name="mtpchat-parent-watch", daemon=True).start()
 
 
 def init_group(rank: int, world: int, kind: str, local_rank: int | None = None,
@@ -453,7 +489,8 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
-def _worker(fn, args, rank: int, world: int, port: int, kind: str, conn, timeout_s: float) -> None:
+def _worker(fn, args, rank: int, world: int, port: int, kind: str, conn, timeout_s: float, parent: int) -> None:
+    die_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     if kind == "cpu":
@@ -468,6 +505,9 @@ def _worker(fn, args, rank: int, world: int, port: int, kind: str, conn, timeout
     except EngineError as e:
         conn.send(("error", str(e)))
         code = 2
+    except BrokenPipeError:  # rank 0's reader went away (`| head`): not a failure to report
+        conn.send(("pipe", ""))
+        code = 1
     except KeyboardInterrupt:
         code = 130
     except BaseException as e:  # noqa: BLE001 - everything else ends the group with a reason
@@ -486,6 +526,22 @@ def _worker(fn, args, rank: int, world: int, port: int, kind: str, conn, timeout
     os._exit(code)  # no atexit hooks that could block on a dead peer
 
 
+def _on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through launch(), which stops the workers
+
+
+def _stop(procs) -> None:
+    """Terminate the workers still running, then kill those that do not go."""
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+
+
 def launch(fn, args, world: int, device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """Run fn(args, group) on `world` ranks and return rank 0's exit status.
 
@@ -493,7 +549,8 @@ def launch(fn, args, world: int, device: str | None = None, timeout_s: float = D
     fn itself; torchrun supervises. Otherwise `world` worker processes are spawned (torch.multiprocessing, spawn
     context; gloo on CPU, NCCL with NVLS off on CUDA) and this process supervises them: when one dies, the others
     get GRACE_S seconds, are terminated, and a TPError names the rank and its exit code. A user mistake
-    (EngineError on the ranks, e.g. a bad model path) is re-raised as that error, once.
+    (EngineError on the ranks, e.g. a bad model path) is re-raised as that error, once. The workers do not
+    outlive this process (die_with_parent); SIGTERM here stops them, then exits 143.
     """
     if under_torchrun():
         env_world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -514,24 +571,43 @@ def launch(fn, args, world: int, device: str | None = None, timeout_s: float = D
     kind = _backend_and_devices(device, world)
     if kind == "cuda":
         os.environ.update(NO_MULTICAST)  # inherited by the workers
+    import threading
+
     import torch.multiprocessing as mp
     from multiprocessing.connection import wait
 
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs, conns = [], []
-    sys.stdout.flush()
-    for rank in range(world):
-        recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(fn, args, rank, world, port, kind, send, timeout_s),
-                        name=f"mtpchat-tp{rank}", daemon=True)
-        p.start()
-        send.close()
-        procs.append(p)
-        conns.append(recv)
     messages: dict[int, tuple[str, str]] = {}
     failed: list[tuple[int, int]] = []
+
+    def drain(r: int) -> None:
+        try:
+            while conns[r].poll():
+                messages[r] = conns[r].recv()
+        except (EOFError, OSError):
+            pass
+
+    on_main = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm) if on_main else None
+    sys.stdout.flush()
     try:
+        # The workers ignore SIGINT, from their first instruction on (an ignored signal stays ignored across exec):
+        # ctrl+c reaches the whole process group, and this process alone answers it; its workers end with it.
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN) if on_main else None
+        try:
+            for rank in range(world):
+                recv, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_worker, args=(fn, args, rank, world, port, kind, send, timeout_s,
+                                                      os.getpid()), name=f"mtpchat-tp{rank}", daemon=True)
+                p.start()
+                send.close()
+                procs.append(p)
+                conns.append(recv)
+        finally:
+            if on_main:
+                signal.signal(signal.SIGINT, old_int if old_int is not None else signal.default_int_handler)
         alive = {p.sentinel: r for r, p in enumerate(procs)}
         deadline = None
         while alive:
@@ -541,38 +617,31 @@ def launch(fn, args, world: int, device: str | None = None, timeout_s: float = D
             for s in ready:
                 r = alive.pop(s)
                 procs[r].join()
+                drain(r)
                 if procs[r].exitcode != 0:
                     batch.append((r, procs[r].exitcode))
             # a worker killed by a signal is the cause; its peers' errors are the consequence
             failed += sorted(batch, key=lambda rc: (rc[1] >= 0, rc[0]))
             if failed and deadline is None:
-                deadline = time.monotonic() + GRACE_S
+                # rank 0's reader went away: nothing left to wait for; otherwise the others may still report why
+                pipe = messages.get(0, ("",))[0] == "pipe"
+                deadline = time.monotonic() + (0.0 if pipe else GRACE_S)
             if deadline is not None and time.monotonic() >= deadline and alive:
-                for r in alive.values():
-                    procs[r].terminate()
-                for r in alive.values():
-                    procs[r].join(5)
-                    if procs[r].exitcode is None:
-                        procs[r].kill()
-                        procs[r].join()
+                _stop([procs[r] for r in alive.values()])
                 alive = {}
-    except KeyboardInterrupt:
-        for p in procs:
-            if p.exitcode is None:
-                p.terminate()
-        for p in procs:
-            p.join(5)
+    except BaseException:  # KeyboardInterrupt, SIGTERM (SystemExit), a failure to spawn: no worker stays behind
+        _stop(procs)
         raise
     finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, old_term if old_term is not None else signal.SIG_DFL)
         for r, c in enumerate(conns):
-            try:
-                while c.poll():
-                    messages[r] = c.recv()
-            except (EOFError, OSError):
-                pass
+            drain(r)
             c.close()
     if not failed:
         return 0
+    if messages.get(0, ("",))[0] == "pipe":
+        raise BrokenPipeError("standard output was closed by its reader")
     errors = {r: m for r, (kind_, m) in messages.items() if kind_ == "error"}
     if errors:  # the same user mistake on every rank: say it once
         raise EngineError(errors.get(0) or errors[min(errors)])

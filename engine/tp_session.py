@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .api import DecodeControl, GenerationSettings, load_engine
 from .errors import EngineError
-from .tp import DEFAULT_TIMEOUT_S, _backend_and_devices, _free_port, init_group
+from .tp import DEFAULT_TIMEOUT_S, _backend_and_devices, _free_port, check_split, die_with_parent, init_group
 
 
 class SyncedControl(DecodeControl):
@@ -43,7 +43,8 @@ def _send(group, command) -> list:
     return box
 
 
-def _follower(rank: int, world: int, port: int, kind: str, model, device, dtype) -> None:
+def _follower(rank: int, world: int, port: int, kind: str, model, device, dtype, parent: int) -> None:
+    die_with_parent(parent)  # a follower ends with the chat, however the chat ends
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     sys.stdout = sys.stderr = open(os.devnull, "w")  # the terminal belongs to rank 0's UI
     if kind == "cpu":
@@ -72,14 +73,16 @@ class TPLeader:
 
             model = default_model_path()  # every rank must load the same checkpoint
         kind = _backend_and_devices(device, world)
+        check_split(world, model)  # heads that do not split fail here, before any process starts
         port = _free_port()
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE=str(world))
         ctx = mp.get_context("spawn")
-        self.followers = [ctx.Process(target=_follower, args=(r, world, port, kind, model, device, dtype),
+        self.followers = [ctx.Process(target=_follower, args=(r, world, port, kind, model, device, dtype,
+                                                              os.getpid()),
                                       name=f"mtpchat-tp{r}", daemon=True) for r in range(1, world)]
-        for p in self.followers:
-            p.start()
         try:
+            for p in self.followers:
+                p.start()
             self.group = init_group(0, world, kind, timeout_s=DEFAULT_TIMEOUT_S)
             self.engine = load_engine(model, None if kind == "cpu" else "cuda", dtype, tp=self.group)
         except BaseException:
@@ -108,7 +111,7 @@ class TPLeader:
 
     def _kill(self) -> None:
         for p in self.followers:
-            if p.is_alive():
+            if p.pid is not None and p.is_alive():
                 p.terminate()
 
 

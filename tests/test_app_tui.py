@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,46 @@ def model(ckpt) -> str:
 def draft_spans(view: MessageView) -> list:
     content = view.query_one(".reply-highlight", Static).visual
     return [s for s in content.spans if s.style == DRAFT_STYLE]
+
+
+class ScriptedEngine:
+    """Stands in for the engine on the decode thread and yields the events it is given, for what the real one
+    cannot be made to produce on demand (a character split over tokens, escape sequences in a reply). It has no
+    tokenizer: the app can take a token's text only from the engine's ``Tokens.pieces``."""
+
+    def __init__(self, events: list, name: str = "scripted"):
+        self.events = events
+        self.info = type("Info", (), {"name": name, "path": f"/models/{name}"})()
+
+    def diagnostics(self) -> dict:
+        return {}
+
+    def chat(self, messages, settings, control):
+        yield from self.events
+
+    def close(self) -> None:
+        pass
+
+
+def scripted(pieces: list[str], sources: list[str], name: str = "scripted") -> ScriptedEngine:
+    """An engine whose every reply is ``pieces`` (two Tokens events, then one cycle)."""
+    from engine import Cycle, Finished, Started, Tokens
+
+    half = len(pieces) // 2
+    chunks = [(pieces[:half], sources[:half]), (pieces[half:], sources[half:])]
+    events = [Started(prompt_tokens=3)]
+    for i, (p, s) in enumerate(chunks):
+        ids = list(range(10 * i, 10 * i + len(p)))
+        events.append(Tokens(token_ids=ids, sources=s, text="".join(p), pieces=p))
+    drafted = sources.count("draft")
+    events += [Cycle(0, drafted, drafted, drafted, [True] * drafted, {"verify": 1.0}, len(pieces)),
+               Finished(reason="eos", stats={})]
+    return ScriptedEngine(events, name)
+
+
+def raw_controls(text: str) -> set[str]:
+    """The control characters in ``text`` a terminal would act on (newline and tab aside)."""
+    return {c for c in text if (ord(c) < 0x20 and c not in "\n\t") or 0x7F <= ord(c) <= 0x9F}
 
 
 @run_async
@@ -62,7 +103,6 @@ async def test_reply_streams_and_is_saved(home, model):
     assert chunks >= 2  # streamed (and saved) in several coalesced chunks, not in one piece at the end
 
 
-@pytest.mark.skipif(not (DEMO / "config.json").exists(), reason="the embedded demo model is not built yet")
 @run_async
 async def test_accepted_drafts_are_highlighted_live_and_after_reopen(home):
     write_settings(max_new_tokens=60, depth=3)
@@ -84,6 +124,61 @@ async def test_accepted_drafts_are_highlighted_live_and_after_reopen(home):
         view = app2.query(MessageView).last()
         assert view.message.sources == reply.sources
         assert [(s.start, s.end) for s in draft_spans(view)] == spans
+
+
+@run_async
+async def test_highlighting_uses_the_engines_token_pieces(home):
+    # "世" is three bytes over two tokens: the first completes no character (piece ""), the second, an accepted
+    # draft, carries it; the app shows the engine's pieces, it does not decode tokens again
+    pieces, sources = ["Hi", " ", "", "世", "!"], ["target", "target", "target", "draft", "draft"]
+    app = MtpChatApp(loader=lambda *args: scripted(pieces, sources))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        await send(pilot, app, "hello")
+        reply = await wait_reply(pilot, app)
+        assert reply.pieces == pieces and reply.content == "Hi 世!"
+        view = app.query(MessageView).last()
+        assert view.query_one(".reply-highlight", Static).visual.plain == "Hi 世!"
+        assert [(s.start, s.end) for s in draft_spans(view)] == [(3, 5)]  # "世!"
+    assert Store().load_conversation(app.conversation.id).messages[1].pieces == pieces
+
+
+@run_async
+async def test_escape_sequences_in_replies_titles_and_names_never_reach_the_terminal(home, tmp_path):
+    osc = "\x1b]0;pwned\x07\x1b]52;c;aGk=\x07"  # retitle the terminal; write the clipboard
+    pieces = ["Sure", " \x1b]0;", "pwned\x07", "\x1b]52;c;aGk=\x07", " done\x9b2J"]
+    sources = ["target", "draft", "draft", "target", "target"]
+    prompt = f"Hi {osc}there"
+    app = MtpChatApp(loader=lambda *args: scripted(pieces, sources, name=f"evil{osc}model"))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        await send(pilot, app, prompt)
+        reply = await wait_reply(pilot, app)
+        view = app.query(MessageView).last()
+        shown = view.query_one(".reply-highlight", Static).visual.plain
+        assert shown == "Sure ␛]0;pwned␇␛]52;c;aGk=␇ done" and not raw_controls(shown)
+        assert [shown[s.start : s.end] for s in draft_spans(view)] == [" ␛]0;pwned␇"]  # on the text shown
+        await pilot.press("f2")  # the Markdown view
+        await pilot.pause()
+        assert view.query_one(".reply-markdown", Markdown).source == shown
+        assert app.sub_title == "evilmodel — Hi there" and not raw_controls(app.title)
+        assert not raw_controls(app.export_screenshot())  # header, transcript, status line as drawn
+
+        await pilot.press("ctrl+o")  # the list of past conversations
+        await pilot.pause()
+        assert not raw_controls(app.export_screenshot())
+        await pilot.press("escape")
+        await pilot.pause()
+        candidate = type("Candidate", (), {"name": f"cand{osc}", "path": tmp_path / f"cand{osc}", "family": "x"})()
+        app.push_screen(ModelPickerScreen(f"/models/{osc}", discover=lambda: [candidate]))
+        await wait_until(pilot, lambda: app.screen.candidates, 10, "the scripted discovery")
+        await pilot.pause()
+        assert not raw_controls(app.export_screenshot())
+    # the store keeps what was written and generated, as it was
+    stored = Store().load_conversation(app.conversation.id)
+    assert stored.messages[0].content == prompt
+    assert stored.messages[1].content == "".join(pieces) == reply.content and stored.messages[1].pieces == pieces
+    assert stored.title == "Hi there"
 
 
 @run_async
@@ -251,11 +346,37 @@ async def test_an_engine_error_is_a_notice_and_the_next_request_works(home, mode
         failed = await wait_reply(pilot, app)
         assert failed.status == "error" and "top-p" in failed.error
         assert any("Generation failed" in n.message for n in app._notifications)
+        # what the user wrote is kept: shown, and in the store
+        assert [v.message.content for v in app.query(MessageView)][0] == "Hello"
+        assert [m.content for m in Store().load_conversation(app.conversation.id).messages] == ["Hello", ""]
         app.settings.top_p = 1.0
         await pilot.press("ctrl+r")  # retry the same turn
         retried = await wait_reply(pilot, app)
         assert retried.status == "complete" and retried.content
         assert [m.role for m in app.conversation.messages] == ["user", "assistant"]
+
+
+@run_async
+async def test_a_failed_save_of_the_reply_keeps_the_message_and_the_app(home):
+    app = MtpChatApp(loader=lambda *args: scripted(["Hi"], ["target"]))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        add_message = app.store.add_message
+
+        def full_disk(conv, role, *args, **kwargs):
+            if role == "assistant":
+                raise sqlite3.OperationalError("database or disk is full")
+            return add_message(conv, role, *args, **kwargs)
+
+        app.store.add_message = full_disk
+        await send(pilot, app, "keep me")
+        assert any("Could not save the reply" in n.message for n in app._notifications)
+        assert app.request is None and [m.content for m in app.conversation.messages] == ["keep me"]
+        assert [m.content for m in Store().load_conversation(app.conversation.id).messages] == ["keep me"]
+        app.store.add_message = add_message
+        await pilot.press("ctrl+r")  # the disk has room again: ask again
+        reply = await wait_reply(pilot, app)
+        assert reply.content == "Hi" and [m.role for m in app.conversation.messages] == ["user", "assistant"]
 
 
 @run_async

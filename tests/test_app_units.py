@@ -1,5 +1,5 @@
-"""The app's parts that need no terminal: SQLite store and its migrations, settings, export, themes, token
-pieces, highlight spans."""
+"""The app's parts that need no terminal: SQLite store and its migrations, settings, export, themes, highlight
+spans, terminal-safe display text."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ import sqlite3
 
 import pytest
 from app_support import home  # noqa: F401 (fixture)
-from fixtures import tokenizer_files
 
 from app import paths
 from app.export import ExportError, export_conversation, timing_csv
 from app.settings import Settings, load_settings, save_settings
-from app.store import MIGRATIONS, SCHEMA_VERSION, CycleRow, Store, StoreError
+from app.store import MIGRATIONS, SCHEMA_VERSION, CycleRow, Store, StoreError, title_for
 from app.transcript import DRAFT_STYLE, code_blocks, highlighted, visible
-from app.worker import TokenPieces
+from engine import Cycle
 
 
 def make_reply(store: Store) -> tuple[int, int]:
@@ -25,9 +24,9 @@ def make_reply(store: Store) -> tuple[int, int]:
     store.add_message(conv, "user", "Say hello\nplease")
     reply = store.add_message(conv, "assistant", status="streaming", model="tiny")
     store.append_reply(reply, "Hel", [10, 11], ["target", "draft"], ["He", "l"],
-                       [CycleRow(reply, 0, 2, 2, 1, [True, False], 2, {"draft": 0.5, "verify": 1.5}, 3.0)])
+                       [(Cycle(0, 2, 2, 1, [True, False], {"draft": 0.5, "verify": 1.5}, 2), 3.0)])
     store.append_reply(reply, "lo", [12], ["target"], ["lo"],
-                       [CycleRow(reply, 1, 2, 2, 0, [False, False], 1, {"draft": 0.4, "verify": 1.2, "x": 1}, 5.0)])
+                       [(Cycle(1, 2, 2, 0, [False, False], {"draft": 0.4, "verify": 1.2, "x": 1}, 1), 5.0)])
     return conv, reply
 
 
@@ -54,7 +53,8 @@ def test_store_saves_every_chunk_and_reopens(home):
     assert assistant.sources == ["target", "draft", "target"]
     assert assistant.pieces == ["He", "l", "lo"]
     rows = store.cycles(conv)
-    assert [r.index for r in rows] == [0, 1] and rows[0].accepted_per_position == [True, False]
+    assert rows[0] == CycleRow(reply, 0, 2, 2, 1, [True, False], 2, {"draft": 0.5, "verify": 1.5}, 3.0)
+    assert [r.index for r in rows] == [0, 1] and rows[1].t_ms == 5.0
     assert store.latest_conversation_id() == conv
     store.finish_message(reply, "complete", finish_reason="eos", stats={"depth": 2})
     assert store.load_conversation(conv).messages[1].stats == {"depth": 2}
@@ -156,25 +156,25 @@ def test_themes_load_and_fill_missing_variables():
     assert defaults["draft-token"].startswith("#") and set(defaults) >= {"draft-token", "target-token-text"}
 
 
-def test_token_pieces_rebuild_the_text():
-    from transformers import PreTrainedTokenizerFast
-    from tokenizers import Tokenizer
-
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_files()["tokenizer.json"]))
-    text = "Hello, how are you today? Grüße — 世界 🐈 def main():"
-    ids = tok.encode(text, add_special_tokens=False)
-    pieces = TokenPieces(tok)
-    out = [pieces.add(i) for i in ids]
-    assert "".join(out) == tok.decode(ids) == text
-    assert "" in out  # multi-byte characters span tokens: the completing token carries them
-
-
 def test_highlight_spans_cover_draft_runs():
     content = highlighted(["A", "b", "c", "\x06", "d"], ["target", "draft", "draft", "target", "draft"])
     assert content.plain == "Abc␆d"  # control characters made visible, one for one
     assert [(s.start, s.end, s.style) for s in content.spans] == [(1, 3, DRAFT_STYLE), (4, 5, DRAFT_STYLE)]
     assert visible("a\tb\nc\x1b") == "a\tb\nc␛"
+    # C1 controls are dropped piece by piece: the spans stay on the text shown
+    content = highlighted(["A", "\x85b", "c\x9b"], ["target", "draft", "target"])
+    assert content.plain == "Abc" and [(s.start, s.end) for s in content.spans] == [(1, 2)]
     assert code_blocks("x\n```py\nprint(1)\n```\n\n    indented\n") == ["print(1)\n", "indented\n"]
+
+
+def test_titles_are_terminal_safe_and_messages_stored_as_written(home):
+    evil = "\x1b]0;pwned\x07\x1b]52;c;aGk=\x07"
+    assert title_for(f"Hi {evil}there\x9d0;x\x9c") == "Hi there"
+    store = Store()
+    conv = store.create_conversation()
+    store.add_message(conv, "user", f"Hi {evil}there")
+    assert store.load_conversation(conv).title == "Hi there"
+    assert store.load_conversation(conv).messages[0].content == f"Hi {evil}there"
 
 
 def test_timing_grid_aligns_columns():

@@ -206,7 +206,7 @@ def test_bad_inputs(ckpt, tmp_path, capsys):
         assert needle in err, (needle, err)
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
-    for flags, needle in [(["--depth", "-1"], "--depth -1"), (["--temperature", "-2"], "--temperature"),
+    for flags, needle in [(["--depth", "-1"], "argument --depth: must be between 0 and 16, got -1"), (["--temperature", "-2"], "--temperature"),
                           (["--top-p", "0"], "--top-p"), (["--max-new-tokens", "0"], "--max-new-tokens"),
                           (["--device", "tpu"], "--device 'tpu'")]:
         code, err = run_cli(capsys, *base, "--model", str(good), *flags)

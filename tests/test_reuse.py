@@ -5,6 +5,7 @@ import json
 import pytest
 
 from engine import GenerationSettings, load_engine
+from engine.errors import EngineError
 from engine.events import Finished, Started, Tokens
 
 QUESTIONS = ["Hello, how are you today?", "Tell me a story about a cat.", "What is the capital of France?",
@@ -93,8 +94,8 @@ def test_failure_mid_turn_drops_cached_state(engines, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(engine.caches, "commit", boom)
-    with pytest.raises(RuntimeError):
+    monkeypatch.setattr(engine.caches, "commit", boom)  # (inside commit's apply: the state is dropped, said so)
+    with pytest.raises(EngineError, match="injected.*state was dropped"):
         reply(engine, messages + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}], 2, True)
     monkeypatch.undo()
     assert engine.turns.history == [] and engine.turns.snapshots == []

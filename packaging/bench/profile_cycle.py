@@ -15,9 +15,7 @@ import time
 
 import torch
 
-from engine import Engine, GenerationSettings, load_engine
-from engine.events import Cycle
-from engine.presets import random_model
+from engine import Cycle, Engine, GenerationSettings, load_engine, random_model
 
 
 def generate(engine: Engine, depth: int, n: int) -> int:

@@ -22,8 +22,7 @@ import time
 
 import torch
 
-from engine import Engine
-from engine.presets import random_model, weight_bytes_per_token
+from engine import Engine, random_model, weight_bytes_per_token
 
 
 def family_of(name: str) -> str:
@@ -50,7 +49,7 @@ def host_profile(engine, n: int, replay_ms: float) -> dict:
     import io
     import pstats
 
-    from engine.api import GenerationSettings
+    from engine import GenerationSettings
 
     def run(tokens=n):
         settings = GenerationSettings(max_new_tokens=tokens, depth=0, ignore_eos=True, reuse=False)

@@ -12,8 +12,7 @@ import argparse
 import json
 import sys
 
-from engine import GenerationSettings, load_engine
-from engine.events import Finished, Tokens
+from engine import Finished, GenerationSettings, Tokens, load_engine
 
 FILLER = ("Tell me more about rivers, mountains and the sea, and how the water moves between them over the "
           "seasons of the year. ")
@@ -67,8 +66,7 @@ def main() -> int:
     p.add_argument("--json")
     a = p.parse_args()
     if a.random_weights:
-        from engine import Engine
-        from engine.presets import random_model
+        from engine import Engine, random_model
 
         engine = Engine(random_model(a.random_weights, a.layers, None, None), None, set())
         run = token_conversation

@@ -14,7 +14,7 @@ _mtpchat() {
     done
 
     case "$prev" in
-        --model|--out) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        --model|--out|--prompt-file) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --device) COMPREPLY=($(compgen -W "cpu cuda" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "float32 bfloat16 float16" -- "$cur")); return ;;
         --drafter) COMPREPLY=($(compgen -W "mtp oracle mtp,oracle" -- "$cur")); return ;;
@@ -27,7 +27,7 @@ _mtpchat() {
     case "$sub" in
         "") opts="$commands --help" ;;
         chat) opts="--model --depth --device --dtype --compile --tp --help" ;;
-        run) opts="--prompt --model --system --raw --max-new-tokens --ignore-eos --depth --temperature --top-p --top-k --seed --device --dtype --compile --tp --json --help" ;;
+        run) opts="--prompt --prompt-file --model --system --raw --max-new-tokens --ignore-eos --depth --temperature --top-p --top-k --seed --device --dtype --compile --tp --json --help" ;;
         bench) opts="--model --random-weights --layers --depths --drafter --acceptance --max-new-tokens --prompt --repeat --no-hf --no-graphs --temperature --top-p --top-k --precision --out --device --dtype --compile --tp --json --help" ;;
         doctor) opts="--model --device --json --help" ;;
         models) opts="--device --json --help"; COMPREPLY=($(compgen -d -- "$cur")) ;;
