@@ -275,7 +275,7 @@ class GraphRunner:
     def decode(self, tokens: torch.Tensor, pos: int, caches):
         """Plain decoding's step (one token, nothing to reject) as one graph that writes the GDN state in place and
         yields the logits: no stash, no commit copy of the state, no separate lm_head launch. Returns
-        (hidden, logits, greedy acceptance [0, argmax]), static: read them before the next replay. None if it cannot be captured (the caller
+        (hidden, logits, argmax), static: read them before the next replay. None if it cannot be captured (the caller
         then verifies and commits, as for a draft)."""
         trunk, state = self.trunk, caches.gdn
         key = (caches.kv.serial, state.serial)
@@ -283,10 +283,7 @@ class GraphRunner:
         def step(tokens, pos):
             hidden = trunk.forward(tokens, pos, caches, verify=False)
             logits = trunk.logits(hidden[0])
-            # greedy decoding's acceptance of a verify pass of one token ([m = 0, the target's token]: see
-            # sampling.accept_greedy), without a launch after the replay
-            token = logits.argmax(-1)
-            return hidden, logits, torch.cat([torch.zeros_like(token), token])
+            return hidden, logits, logits.argmax(-1)  # greedy decoding's token, without a launch after the replay
 
         def warmup(tokens, pos):
             return put_back(state, lambda: step(tokens, pos))

@@ -166,7 +166,9 @@ class Launched:
     k: int
     drafts: torch.Tensor  # [k]
     hidden: torch.Tensor  # the verify pass's hidden states [1, k + 1, H] (static with graphs)
-    packed: torch.Tensor  # [m, the target's token per position (k + 1), the drafts (k)]
+    # [m, the target's token per position (k + 1), the drafts (k)], or a greedy in-place step's token alone (m = 0,
+    # nothing drafted: the launch after the step costs no kernel to pack it)
+    packed: torch.Tensor
     host: torch.Tensor  # the pinned buffer `packed` is copied into
     ready: object  # the event after which `host` holds `packed` (None on the CPU)
     stepped: bool  # plain decoding's in-place graph step ran: t_n is processed already
@@ -177,15 +179,19 @@ def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, tim
     """Draft and verify one cycle and start copying its acceptance to the host; nothing waits for the GPU.
     Leaves the committed state on any exception (StateLost once an in-place plain step has run)."""
     k = min(depth, req.max_new - len(req.generated) - 1) if drafter is not None else 0
-    seq = req.seq[: req.length]
     stepped, refreshed = False, None
     try:
-        drafts, q = drafter.propose(seq, k, timer, req) if k > 0 else (seq[:0], None)
+        if k:
+            seq = req.seq[: req.length]
+            drafts, q = drafter.propose(seq, k, timer, req)
         with timer.phase("verify"):
-            inp = (torch.cat([seq[-1:], drafts]) if k else seq[-1:]).unsqueeze(0)
+            # (depth 0: the last token as a view, no concatenation; plain steps are host-bound on small models)
+            inp = torch.cat([seq[-1:], drafts]).unsqueeze(0) if k else req.seq[req.length - 1 : req.length][None]
+            if not k:
+                drafts, q = inp[0, 1:], None
             out = decode_step(trunk, caches, drafter, inp) if k == 0 and trunk.graphs is not None else None
             stepped = out is not None
-            if stepped:  # (greedy: the acceptance came out of the step's graph; a copy, the next replay reuses it)
+            if stepped:  # (greedy: the token came out of the step's graph; a copy, the next replay reuses it)
                 hidden, logits, packed = out[0], out[1], out[2].clone() if req.sampling.greedy else None
             else:
                 caches.kv.reserve(k + 1)
@@ -237,7 +243,7 @@ def cycle(trunk, caches, drafter, req: Request, flight: Flight, depth: int, time
     ahead = c.stepped and req.sampling.greedy  # its token is known on the device: committed before it is read
     if ahead:
         try:
-            req.append(c.packed[1:2])
+            req.append(c.packed)
             if depth == 0 and len(req.generated) + 1 < req.max_new:
                 flight.launched = launch(trunk, caches, drafter, req, flight, depth, timer)
         except BaseException as e:
@@ -266,8 +272,8 @@ def finish(trunk, caches, drafter, req: Request, flight: Flight, c: Launched, ti
     try:  # prepare
         if c.ready is not None:
             c.ready.synchronize()
-        host = c.host[: 2 * k + 2].tolist()
-        m, targets_h, drafts_h = host[0], host[1 : k + 2], host[k + 2 :]
+        host = c.host[: c.packed.shape[0]].tolist()
+        m, targets_h, drafts_h = (0, host, []) if len(host) == 1 else (host[0], host[1 : k + 2], host[k + 2 :])
         out = drafts_h[:m] + [targets_h[m]]
         sources = [DRAFT] * m + [TARGET]
         for j, tok in enumerate(out):  # stop at the first EOS: plain decoding would never process past it
@@ -277,9 +283,11 @@ def finish(trunk, caches, drafter, req: Request, flight: Flight, c: Launched, ti
         # the committed tokens from the device (no copy to it): packed[1 + i] is the target's token at i; greedy
         # acceptance makes the accepted drafts equal to it, sampling does not
         accepted = sources.count(DRAFT)
-        tokens = (c.packed[1 : 1 + len(out)] if req.sampling.greedy
-                  else torch.cat([c.drafts[:accepted], c.packed[1 + accepted : 1 + len(out)]]))
-        req.reserve(len(out))
+        tokens = None
+        if not appended:
+            tokens = (c.packed[1 : 1 + len(out)] if req.sampling.greedy
+                      else torch.cat([c.drafts[:accepted], c.packed[1 + accepted : 1 + len(out)]]))
+            req.reserve(len(out))
         kept = None
         if drafter is not None and not c.stepped and not c.refreshed:
             kept = drafter.keep(c.hidden[:, : m + 1])
@@ -287,8 +295,8 @@ def finish(trunk, caches, drafter, req: Request, flight: Flight, c: Launched, ti
         abandon(caches, drafter, e, c.stepped)
         raise
     try:  # apply: a failure here leaves no committed state to go back to
-        with timer.phase("commit"):
-            if not c.stepped:
+        if not c.stepped:  # (an in-place step has nothing to commit: its state is written)
+            with timer.phase("commit"):
                 caches.commit(m, trunk.backends, trunk.graphs)
                 if drafter is not None:
                     drafter.rollback()
@@ -298,7 +306,7 @@ def finish(trunk, caches, drafter, req: Request, flight: Flight, c: Launched, ti
                         drafter.observe_kept(kept)
         # (outside the commit phase: plain decoding appends its tokens too; the phase is the speculative
         # transaction's own cost)
-        if not appended:
+        if tokens is not None:
             req.append(tokens)
     except BaseException as e:
         abandon(caches, drafter, e, stepped=True)

@@ -2,7 +2,9 @@
 with `mtp.*` tensors added and a real byte-level BPE tokenizer with a ChatML template.
 
 Weights are random but scaled so argmax margins are clear (a wrong norm convention or a wrong cache changes
-the tokens), and every norm weight is non-zero (a missing `1 + w` shows).
+the tokens), and every norm weight is non-zero (a missing `1 + w` shows). The trunk is random; the MTP head is
+then trained for a few seconds to predict the trunk's own next-next token (`_mtp_tensors`), so that it drafts
+like a real one: often accepted, often not, at every depth.
 """
 
 from __future__ import annotations
@@ -89,7 +91,148 @@ def _scale_weights(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.6 / p.shape[-1] ** 0.5))
 
 
-def _mtp_tensors(family_name: str, text_config, seed: int) -> dict[str, torch.Tensor]:
+def _text_parts(model):
+    """(the text trunk's base model, whose last_hidden_state is after the final norm; its lm_head)."""
+    base = model.model
+    return getattr(base, "language_model", base), model.lm_head
+
+
+def _prompt_pool(n: int, g: torch.Generator) -> list[list[int]]:
+    """n chat prompts of one length (one batch, no padding): a user turn, or a system turn and a user turn,
+    whose contents are windows of the tokenized TEXT, as the tests' prompts are."""
+    tok = _tokenizer()
+    ids = tok.encode(TEXT.replace("\n", " ")).ids
+    user, system = tok.encode("<|im_start|>user\n").ids, tok.encode("<|im_start|>system\n").ids
+    end, reply = tok.encode("<|im_end|>\n").ids, tok.encode("<|im_start|>assistant\n").ids
+    length, with_system = int(torch.randint(3, 10, (1,), generator=g)), bool(torch.rand((), generator=g) < 0.3)
+    out = []
+    for _ in range(n):
+        s = int(torch.randint(0, len(ids) - 2 * length, (1,), generator=g))
+        a, b = ids[s : s + length], ids[s + length : s + 2 * length]
+        out.append((system + a + end + user + b if with_system else user + a + b) + end + reply)
+    return out
+
+
+@lru_cache(maxsize=1)
+def _tokenizer():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tokenizer_files()["tokenizer.json"])
+
+
+def _trunk_data(model, seed: int, groups=((32, False), (32, False), (32, True)), new: int = 32):
+    """Sequences the trunk itself produces from chat prompts, greedy and sampled (temperature 1.5, top-k 3), one
+    batch per group (its prompts have one length), with the trunk's post-norm hiddens h_p and its logits at every
+    position. (Generating costs more than the training: the trunk's greedy continuations are what drafts meet.)"""
+    base, lm_head = _text_parts(model)
+    g = torch.Generator().manual_seed(seed)
+    # where flash-linear-attention is installed transformers runs its Triton kernels, which need CUDA tensors
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
+    data = []
+    try:
+        with torch.no_grad():
+            for i, (n, sampled) in enumerate(groups):
+                prompts = torch.tensor(_prompt_pool(n, g), device=device)
+                torch.manual_seed(seed + i)
+                seq = model.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=sampled,
+                                     temperature=1.5 if sampled else None, top_k=3 if sampled else None,
+                                     top_p=None, pad_token_id=0)
+                hidden = base(input_ids=seq).last_hidden_state
+                data.append((seq.cpu(), hidden.cpu(), lm_head(hidden).cpu()))
+    finally:
+        model.to("cpu")
+    return data
+
+
+def _head_forward(head, embed, lm_head, rotary, hidden, tokens):
+    """MTPHead.forward over a batch of whole sequences from position 0 (the engine's is batch 1, with a cache):
+    fc([norm_e(embed(t_{p+1})); norm_h(h_p)]) -> gated full attention -> MLP -> mtp.norm -> lm_head."""
+    import torch.nn.functional as F
+
+    from engine.model import apply_rope, dense_mlp
+
+    B, T, _ = hidden.shape
+    h = head.fc(torch.cat([head.pre_fc_norm_embedding(embed(tokens)), head.pre_fc_norm_hidden(hidden)], -1))
+    layer = head.layers[0]
+    attn, x = layer.self_attn, layer.input_layernorm(h)
+    hd = attn.head_dim
+    q, gate = attn.q_proj(x).reshape(B, T, -1, 2 * hd).chunk(2, dim=-1)
+    q = attn.q_norm(q).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(x).reshape(B, T, -1, hd)).transpose(1, 2)
+    v = attn.v_proj(x).reshape(B, T, -1, hd).transpose(1, 2)
+    q, k = apply_rope(q, k, *rotary(torch.arange(T).unsqueeze(0), h.dtype))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)
+    h = h + attn.o_proj((torch.sigmoid(gate) * o.transpose(1, 2)).reshape(B, T, -1))
+    x = layer.post_attention_layernorm(h)
+    h = h + (dense_mlp(layer.mlp, x) if hasattr(layer.mlp, "gate_proj") else _moe_every_expert(layer.mlp, x))
+    return lm_head(head.norm(h))
+
+
+def _moe_every_expert(block, x):
+    """engine.model.moe_rowwise's sum, with every expert run over every row and weighted 0 where it was not
+    routed: the same function, whose backward is a few small matmuls instead of a scatter over gathered weights."""
+    from engine.model import dense_mlp, route
+
+    h = x.reshape(-1, x.shape[-1])
+    weights, idx = route(block, h)
+    dense = torch.zeros(h.shape[0], block.experts.gate_up_proj.shape[0]).scatter(1, idx, weights)
+    experts = block.experts
+    gate, up = torch.einsum("nh,eoh->neo", h, experts.gate_up_proj).chunk(2, dim=-1)
+    y = torch.einsum("nei,ehi->neh", experts.act_fn(gate) * up, experts.down_proj)
+    y = (y * dense.unsqueeze(-1)).sum(1)
+    shared = dense_mlp(block.shared_expert, h) * torch.sigmoid(block.shared_expert_gate(h))
+    return (y + shared).view(x.shape)
+
+
+def _train_head(head, model, text_config, seed: int, steps: int) -> None:
+    """Distil the trunk's own next-next token into the head: at position p, inputs (h_p, t_{p+1}), target the
+    trunk's distribution at p + 1 (what it predicts for t_{p+2}), on sequences the trunk generated."""
+    from engine.model import Rotary
+
+    data = _trunk_data(model, seed)
+    base, lm_head = _text_parts(model)
+    rotary = Rotary(text_config, torch.device("cpu"))
+    for p in list(base.parameters()) + list(lm_head.parameters()):
+        p.requires_grad_(False)
+    opt = torch.optim.Adam(head.parameters(), lr=LR)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        seq, hidden, logits = data[step % len(data)]
+        rows = torch.randperm(seq.shape[0], generator=g)[:12]
+        out = _head_forward(head, base.embed_tokens, lm_head, rotary, hidden[rows, :-1], seq[rows, 1:])
+        target = torch.softmax(logits[rows, 1:], -1)
+        loss = -(target * torch.log_softmax(out, -1)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+LR = 5e-3
+MTP_STEPS = 120  # ~3-4 s a family on one CPU thread; 0: the untrained (random) head
+_TRAINED: dict[tuple, dict[str, torch.Tensor]] = {}  # (family, seed, steps, trunk digest) -> mtp.* tensors
+
+
+def _digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _mtp_tensors(family_name: str, model, text_config, seed: int, steps: int | None = None) -> dict:
+    """The MTP head, trained for a few seconds on the CPU to predict the trunk's own next-next token: it drafts
+    well but not perfectly (depth-1 acceptance about 0.45-0.8 on greedy chat prompts), so speculation sees
+    accepted and rejected drafts in every family. Deterministic; one training per trunk and process."""
+    steps = MTP_STEPS if steps is None else steps
+    key = (family_name, seed, steps, _digest(model))
+    if key not in _TRAINED:
+        _TRAINED[key] = _new_mtp_tensors(family_name, model, text_config, seed, steps)
+    return dict(_TRAINED[key])
+
+
+def _new_mtp_tensors(family_name: str, model, text_config, seed: int, steps: int) -> dict[str, torch.Tensor]:
     from engine.families import SUPPORTED
     from engine.mtp import MTPHead
 
@@ -98,7 +241,14 @@ def _mtp_tensors(family_name: str, text_config, seed: int) -> dict[str, torch.Te
     torch.manual_seed(seed)
     head = MTPHead(MTPHead.layer_config(text_config, has_experts), family, 1)
     _scale_weights(head, seed + 1)
-    return {f"mtp.{k}": v.contiguous() for k, v in head.state_dict().items()}
+    if steps:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # small ops: on CPU cores shared with other work, one thread is much faster
+        try:
+            _train_head(head, model, text_config, seed, steps)
+        finally:
+            torch.set_num_threads(threads)
+    return {f"mtp.{k}": v.detach().contiguous() for k, v in head.state_dict().items()}
 
 
 def write_checkpoint(
@@ -152,7 +302,7 @@ def write_checkpoint(
     if per_expert:
         _split_experts(path)
     if mtp:
-        extra = _mtp_tensors(family, text_cfg, seed + 7)
+        extra = _mtp_tensors(family, model, text_cfg, seed + 7)
         _add_tensors(path, extra)
         conf = json.loads((path / "config.json").read_text())
         target = conf.get("text_config", conf) if family != "qwen3_next" else conf

@@ -374,6 +374,22 @@ def _alive(pids) -> list[int]:
     return alive
 
 
+def _gone(workers, seconds: float = 5.0) -> bool:
+    """Whether every worker has ended within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while _alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(workers)
+
+
+def _reap(p) -> None:
+    """Kill what a test left running: the parent and any worker of it still alive."""
+    for pid in _alive(_children(p.pid)):
+        os.kill(pid, signal.SIGKILL)
+    if p.poll() is None:
+        p.kill()
+
+
 def test_tp_more_ranks_than_the_machine_has(env, ckpt):
     p = subprocess.Popen([sys.executable, "-m", "app.cli", "run", "--model", str(ckpt("next")), "--prompt", "hi",
                           "--device", "cpu", "--tp", "64"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -413,16 +429,10 @@ def test_tp_workers_die_with_their_parent(env, ckpt, sig):
         assert len(workers) >= 2
         p.send_signal(sig)
         assert p.wait(30) in (128 + sig, -sig)
-        deadline = time.monotonic() + 5
-        while _alive(workers) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(workers), "tensor-parallel workers outlived their parent"
+        assert _gone(workers), "tensor-parallel workers outlived their parent"
         assert sig == signal.SIGKILL or b"Traceback" not in p.stderr.read()
     finally:
-        for pid in _alive(_children(p.pid)):
-            os.kill(pid, signal.SIGKILL)
-        if p.poll() is None:
-            p.kill()
+        _reap(p)
 
 
 def test_tp_ctrl_c_stops_every_rank(env, ckpt):
@@ -438,15 +448,9 @@ def test_tp_ctrl_c_stops_every_rank(env, ckpt):
         os.killpg(p.pid, signal.SIGINT)
         out, err = p.communicate(timeout=30)
         assert p.returncode == 130 and err == b"mtpchat: interrupted\n", err
-        deadline = time.monotonic() + 5
-        while _alive(workers) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(workers)
+        assert _gone(workers)
     finally:
-        for pid in _alive(_children(p.pid)):
-            os.kill(pid, signal.SIGKILL)
-        if p.poll() is None:
-            p.kill()
+        _reap(p)
 
 
 def test_tp_reader_going_away_is_quiet(env, ckpt):
@@ -462,13 +466,9 @@ def test_tp_reader_going_away_is_quiet(env, ckpt):
         err = p.stderr.read()
         assert p.wait(30) == 0 and err == b"", err
         assert time.monotonic() - t0 < 4  # not after the grace period a failing rank gives its peers
-        deadline = time.monotonic() + 5
-        while _alive(workers) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(workers)
+        assert _gone(workers)
     finally:
-        if p.poll() is None:
-            p.kill()
+        _reap(p)
 
 
 def _chat_leader(model, conn):

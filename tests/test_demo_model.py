@@ -6,8 +6,6 @@ from engine import GenerationSettings, load_engine
 from engine.api import EMBEDDED
 from engine.events import Tokens
 
-pytestmark = pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="demo model not built")
-
 
 @pytest.fixture(scope="module")
 def demo():

@@ -25,6 +25,15 @@ def decode(engine, prompt, drafter=None, **kw):
     return tokens, sources, events[-1]
 
 
+def assert_mtp_drafts_accepted_and_rejected(fin):
+    """The MTP head drafted, and its drafts were neither all rejected nor all accepted: commit(m) ran with
+    accepted drafts and with a rejected tail (the fixtures' heads are trained to draft well, not perfectly)."""
+    stats = fin.stats
+    assert stats["drafter"] == "mtp" and stats["drafted"] > 0, stats
+    assert stats["accepted"] > 0, f"no MTP draft accepted: {stats}"
+    assert stats["drafted"] - stats["accepted"] > 0, f"no MTP draft rejected: {stats}"
+
+
 @pytest.fixture(scope="module")
 def hf_models(ckpt):
     cache = {}
@@ -55,10 +64,10 @@ def test_greedy_equals_transformers_generate(name, engines, hf_models):
 def test_mtp_speculation_equals_plain(name, depth, engines):
     engine = engines(name)
     prompt = engine.encode_chat(PROMPTS[0])
-    plain, _, _ = decode(engine, prompt, depth=0)
-    spec, sources, fin = decode(engine, prompt, depth=depth)
+    plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=40)
+    spec, sources, fin = decode(engine, prompt, depth=depth, max_new_tokens=40)
     assert spec == plain
-    assert fin.stats["drafted"] > 0 and fin.stats["drafter"] == "mtp"  # drafting really ran
+    assert_mtp_drafts_accepted_and_rejected(fin)
     assert sources.count("draft") == fin.stats["accepted"]
 
 
@@ -80,23 +89,15 @@ def test_oracle_full_and_zero_acceptance(name, depth, engines):
     assert fin.stats["drafted"] > 0 and fin.stats["accepted"] == 0 and "draft" not in sources
 
 
-class RejectAt:
+class RejectAt(OracleDrafter):
     """Proposes the true continuation but corrupts draft position (cycle % k): partial acceptance at every
-    position in turn."""
+    position in turn. (The oracle's no-op hooks for the rest of the drafter interface.)"""
 
     name = "reject-at"
 
     def __init__(self, reference, prompt_len, vocab):
-        self.ref, self.prompt_len, self.vocab, self.calls = reference, prompt_len, vocab, 0
-
-    def reset(self):
-        pass
-
-    def observe(self, hidden):
-        pass
-
-    def rollback(self):
-        pass
+        super().__init__(reference, prompt_len, 0.0, vocab)
+        self.ref, self.calls = reference, 0
 
     def propose(self, seq, k, timer, req=None):
         start = seq.shape[0] - self.prompt_len
@@ -164,7 +165,7 @@ def test_seeded_sampling_reproduces(engines):
     c, _, _ = decode(engine, prompt, depth=0, temperature=0.9, top_p=0.95, top_k=50, seed=8)
     greedy, _, _ = decode(engine, prompt, depth=0)
     assert a == b
-    assert a != c or a != greedy  # a different seed (or greedy) changes the sample
+    assert a != c and greedy not in (a, c)  # a different seed changes the sample, and neither is greedy
 
 
 def test_sampling_speculates_and_reproduces(engines):
@@ -172,7 +173,8 @@ def test_sampling_speculates_and_reproduces(engines):
     prompt = engine.encode_chat(PROMPTS[0])
     a, sources, fin = decode(engine, prompt, depth=3, temperature=0.8, top_p=0.9, seed=1)
     b, _, _ = decode(engine, prompt, depth=3, temperature=0.8, top_p=0.9, seed=1)
-    assert a == b and fin.stats["drafted"] > 0
+    assert a == b
+    assert_mtp_drafts_accepted_and_rejected(fin)
     assert not any(f.feature == "speculation" for f in fin.fallbacks)
 
 
@@ -211,7 +213,8 @@ def test_generated_pad_token_is_a_valid_input(tmp_path):
         spec, sources, fin = decode(engine, prompt, OracleDrafter(plain, len(prompt), 0.0, vocab), depth=depth)
         assert spec == plain and fin.stats["accepted"] > 0
         mtp, _, fin = decode(engine, prompt, depth=depth)
-        assert mtp == plain and fin.stats["drafted"] > 0
+        assert mtp == plain
+        assert_mtp_drafts_accepted_and_rejected(fin)
 
 
 def test_bench_precision_report_float32_is_exact(ckpt, capsys):
