@@ -164,7 +164,7 @@ def refreshes_in_verify(trunk, drafter, req: Request) -> bool:
 class Launched:
     """A cycle's draft and verify, launched; its acceptance on its way to the host."""
     k: int
-    drafts: torch.Tensor  # [k]
+    drafts: torch.Tensor | None  # [k] (None: greedy plain decoding)
     hidden: torch.Tensor  # the verify pass's hidden states [1, k + 1, H] (static with graphs)
     # [m, the target's token per position (k + 1), the drafts (k)], or a greedy in-place step's token alone (m = 0,
     # nothing drafted: the launch after the step costs no kernel to pack it)
@@ -187,8 +187,8 @@ def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, tim
         with timer.phase("verify"):
             # (depth 0: the last token as a view, no concatenation; plain steps are host-bound on small models)
             inp = torch.cat([seq[-1:], drafts]).unsqueeze(0) if k else req.seq[req.length - 1 : req.length][None]
-            if not k:
-                drafts, q = inp[0, 1:], None
+            if not k:  # (no draft tensor unless sampling needs one: each op costs the host a few us)
+                drafts, q = None if req.sampling.greedy else inp[0, 1:], None
             out = decode_step(trunk, caches, drafter, inp) if k == 0 and trunk.graphs is not None else None
             stepped = out is not None
             if stepped:  # (greedy: the token came out of the step's graph; a copy, the next replay reuses it)
