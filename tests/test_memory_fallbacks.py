@@ -26,6 +26,23 @@ def test_oom_at_load_moves_to_the_next_candidate(ckpt, monkeypatch):
     assert any(f.feature == "model" and "out of memory at load" in f.reason for f in engine.loaded.fallbacks)
 
 
+def test_a_candidate_that_does_not_load_is_skipped_with_the_reason(ckpt, tmp_path, monkeypatch):
+    """The automatic pick moves on from a model that fails to load (here a corrupt config.json), as from one that
+    does not fit, and says why."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt("next"), broken)
+    (broken / "config.json").write_text("{not json")
+    good = str(ckpt("next_moe"))
+    order = iter([str(broken), good])
+    monkeypatch.setattr(api, "default_model_path", lambda exclude=frozenset(): next(order))
+    engine = api.load_engine()
+    assert engine.info.path == good
+    notes = [f.reason for f in engine.loaded.fallbacks if f.feature == "model"]
+    assert notes and notes[0].startswith("broken: does not load (") and "config.json" in notes[0]
+
+
 def test_oom_at_load_of_every_candidate_is_one_clear_error(ckpt, monkeypatch):
     monkeypatch.setattr(api, "load", lambda *a, **k: oom())
     monkeypatch.setattr(api, "EMBEDDED", ckpt("next"))
