@@ -33,7 +33,7 @@ import argparse  # noqa: E402
 import importlib  # noqa: E402
 import math  # noqa: E402
 
-from engine import EngineError  # noqa: E402  # light: the engine package imports torch only when a heavy name is used
+from engine import MAX_DEPTH, MAX_NEW_TOKENS, SEED_MAX, SEED_MIN, EngineError  # noqa: E402  # light: no torch yet
 
 from .safe_text import first_line  # noqa: E402
 
@@ -45,9 +45,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PROG = "mtpchat"
 COMMANDS = {"run": "cmd_run", "bench": "cmd_bench", "models": "cmd_models", "doctor": "cmd_doctor"}
-DEPTH_MAX = 16  # the depths engine/api.py GenerationSettings.validate accepts: 0 .. 16
-MAX_NEW_TOKENS = 1_000_000  # a sane cap (the engine sizes buffers by it); the model's context is checked too
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
 
 
 # --- one line on stderr -------------------------------------------------------------------------------------
@@ -179,7 +176,7 @@ def float_in(lo: float, hi: float | None = None, lo_open: bool = False):
 
 
 tp_size = int_in(1, None)
-depth = int_in(0, DEPTH_MAX)
+depth = int_in(0, MAX_DEPTH)
 seed = int_in(SEED_MIN, SEED_MAX, "between -2**63 and 2**64 - 1 (the seeds torch accepts)")
 temperature = float_in(0.0)
 top_p = float_in(0.0, 1.0, lo_open=True)
@@ -191,7 +188,7 @@ def max_new_tokens(lo: int = 1):
 
 
 def depth_list(text: str) -> list[int]:
-    """--depths: comma-separated depths, each 0 .. DEPTH_MAX."""
+    """--depths: comma-separated depths, each 0 .. MAX_DEPTH."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
         raise argparse.ArgumentTypeError("expected comma-separated depths, e.g. 0,1,2")
@@ -275,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=ArgumentParser)
     chat = sub.add_parser("chat", help="open the terminal chat (the default)")
     add_model_args(chat)
-    chat.add_argument("--depth", type=depth, help=f"speculation depth, 0 .. {DEPTH_MAX} (0 = plain decoding)")
+    chat.add_argument("--depth", type=depth, help=f"speculation depth, 0 .. {MAX_DEPTH} (0 = plain decoding)")
     add_tp_arg(chat)
     for name in ("cmd_run", "cmd_bench", "cmd_models", "cmd_doctor"):
         modules[name].add_parser(sub)

@@ -29,7 +29,7 @@ REPEAT_MAX = 1000
 
 
 def add_parser(sub) -> None:
-    from .cli import (DEPTH_MAX, add_model_args, add_tp_arg, depth_list, int_in, max_new_tokens, temperature,
+    from .cli import (MAX_DEPTH, add_model_args, add_tp_arg, depth_list, int_in, max_new_tokens, temperature,
                       top_k, top_p, utf8_text)
 
     p = sub.add_parser("bench", help="measure decoding speed: plain vs speculative vs transformers")
@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
                    "(qwen3.5-27b, qwen3-next-80b-a3b, tiny)")
     p.add_argument("--layers", type=int_in(1, None), help="with --random-weights: keep only the first N layers")
     p.add_argument("--depths", type=depth_list, default=[0, 1, 2, 3, 4],
-                   help=f"comma-separated speculation depths, each 0 .. {DEPTH_MAX} (default 0,1,2,3,4)")
+                   help=f"comma-separated speculation depths, each 0 .. {MAX_DEPTH} (default 0,1,2,3,4)")
     p.add_argument("--drafter", default="mtp,oracle", help="mtp, oracle or both (comma-separated)")
     p.add_argument("--acceptance", default="1.0,0.5,0", help="oracle acceptance rates (comma-separated)")
     p.add_argument("--max-new-tokens", type=max_new_tokens(2), default=128)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    from .cli import (DEPTH_MAX, MAX_NEW_TOKENS, add_model_args, add_tp_arg, depth, max_new_tokens, seed,
+    from .cli import (MAX_DEPTH, MAX_NEW_TOKENS, add_model_args, add_tp_arg, depth, max_new_tokens, seed,
                       temperature, top_k, top_p, utf8_text)
 
     p = sub.add_parser("run", help="generate a reply to one prompt")
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
                    help=f"at most N new tokens (1 .. {MAX_NEW_TOKENS:,}, and within the model's context)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--depth", type=depth, default=2,
-                   help=f"speculation depth, 0 .. {DEPTH_MAX} (0 = plain decoding)")
+                   help=f"speculation depth, 0 .. {MAX_DEPTH} (0 = plain decoding)")
     p.add_argument("--temperature", type=temperature, default=0.0)
     p.add_argument("--top-p", type=top_p, default=1.0)
     p.add_argument("--top-k", type=top_k, default=0)

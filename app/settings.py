@@ -8,10 +8,11 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from engine import MAX_DEPTH  # settings and + / - go up to what the engine accepts (engine/limits.py: no torch)
+
 from . import paths
 
 DEPTH_KEYS = 4  # the keys 0..4 (and the palette) pick a depth directly
-MAX_DEPTH = 16  # settings and + / - go up to here (the engine accepts any depth >= 0)
 
 
 @dataclass

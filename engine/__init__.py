@@ -20,6 +20,10 @@ _EXPORTS = {
     "load_engine": ("api", "load_engine"),
     "default_model_path": ("api", "default_model_path"),
     "model_dir": ("checkpoint", "model_dir"),
+    "MAX_DEPTH": ("limits", "MAX_DEPTH"),
+    "MAX_NEW_TOKENS": ("limits", "MAX_NEW_TOKENS"),
+    "SEED_MIN": ("limits", "SEED_MIN"),
+    "SEED_MAX": ("limits", "SEED_MAX"),
     # what generate() yields, and the one user-facing error type
     "Cycle": ("events", "Cycle"),
     "Fallback": ("events", "Fallback"),

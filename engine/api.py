@@ -16,6 +16,7 @@ from .checkpoint import read_json
 from .drafters import MTPDrafter
 from .errors import EngineError
 from .events import Fallback, Finished, Started, Tokens
+from .limits import MAX_DEPTH, MAX_NEW_TOKENS, SEED_MAX, SEED_MIN
 from .model import Loaded, load
 from .reuse import TurnCache
 from .sampling import SamplingParams
@@ -23,8 +24,6 @@ from .speculative import Flight, Request, StateLost, cycle, drop_in_flight, pick
 from .timing import PhaseTimer
 
 EMBEDDED = Path(__file__).parent / "assets" / "demo"
-MAX_DEPTH = 16  # drafts per cycle; the graphs' widths and the stash are sized from it
-MAX_NEW_TOKENS = 1_000_000  # per request: the committed sequence is allocated for it up front
 
 
 @dataclass
@@ -50,8 +49,8 @@ class GenerationSettings:
             raise EngineError(f"--top-p {self.top_p}: must be in (0, 1]")
         if self.top_k < 0:
             raise EngineError(f"--top-k {self.top_k}: must be >= 0")
-        if self.seed is not None and not 0 <= self.seed < 2**63:  # what torch.Generator.manual_seed takes
-            raise EngineError(f"--seed {self.seed}: must be between 0 and 2**63 - 1")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise EngineError(f"--seed {self.seed}: must be between -2**63 and 2**64 - 1")
         if self.prefill_chunk < 1:
             raise EngineError("prefill_chunk must be at least 1")
 
