@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from .checkpoint import read_json
+from .context import Fitted, check_max_context, context_info, context_limit, fit_messages, limit_source
 from .drafters import MTPDrafter
 from .errors import EngineError
-from .events import Fallback, Finished, Started, Tokens
-from .limits import MAX_DEPTH, MAX_NEW_TOKENS, SEED_MAX, SEED_MIN
+from .events import FORCED, TARGET, Fallback, Finished, Started, Tokens
+from .autodepth import DepthChooser
+from .limits import AUTO, AUTO_MAX_DEPTH, MAX_DEPTH, MAX_NEW_TOKENS, SEED_MAX, SEED_MIN
 from .model import Loaded, load
+from .reasoning import ThinkingInfo, ReplyParts, last_open, reasoning_apart, thinking_info
 from .reuse import TurnCache
 from .sampling import SamplingParams
 from .speculative import Flight, Request, StateLost, cycle, drop_in_flight, pick, prefill
@@ -29,20 +33,23 @@ EMBEDDED = Path(__file__).parent / "assets" / "demo"
 @dataclass
 class GenerationSettings:
     max_new_tokens: int = 512
-    depth: int = 2
+    depth: int | str = 2  # drafts per cycle, or AUTO
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
     ignore_eos: bool = False
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None  # tokens per prefill pass; None: the engine's choice (Engine.prefill_chunk)
     reuse: bool = True  # continue from the state the previous request left (see reuse.py)
+    think: bool | None = None  # the chat template's enable_thinking; None: the template's default
+    think_budget: int | None = None  # reasoning tokens before the engine closes the reasoning itself
+    template_vars: dict | None = None  # other variables the chat template reads (e.g. preserve_thinking)
 
     def validate(self) -> None:
         if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
             raise EngineError(f"--max-new-tokens {self.max_new_tokens}: must be between 1 and {MAX_NEW_TOKENS:,}")
-        if not 0 <= self.depth <= MAX_DEPTH:
-            raise EngineError(f"--depth {self.depth}: must be between 0 and {MAX_DEPTH}")
+        if self.depth != AUTO and not (isinstance(self.depth, int) and 0 <= self.depth <= MAX_DEPTH):
+            raise EngineError(f"--depth {self.depth}: must be between 0 and {MAX_DEPTH}, or {AUTO}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):  # (NaN fails every comparison)
             raise EngineError(f"--temperature {self.temperature}: must be a finite number >= 0")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
@@ -51,8 +58,10 @@ class GenerationSettings:
             raise EngineError(f"--top-k {self.top_k}: must be >= 0")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise EngineError(f"--seed {self.seed}: must be between -2**63 and 2**64 - 1")
-        if self.prefill_chunk < 1:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise EngineError("prefill_chunk must be at least 1")
+        if self.think_budget is not None and not 1 <= self.think_budget <= MAX_NEW_TOKENS:
+            raise EngineError(f"--think-budget {self.think_budget}: must be between 1 and {MAX_NEW_TOKENS:,}")
 
 
 class DecodeControl:
@@ -100,9 +109,17 @@ class TextStream:
 
 class Engine:
     def __init__(self, loaded: Loaded, tokenizer=None, stop_ids: set[int] = frozenset(), cuda_graphs: bool | None = None,
-                 compile: bool | None = None):
+                 compile: bool | None = None, max_context: int | None = None):
         self.loaded, self.tokenizer, self.stop_ids = loaded, tokenizer, frozenset(stop_ids)
         self.trunk = loaded.trunk
+        # the context every request must fit: the model's (max_position_embeddings), capped by the user's
+        check_max_context(max_context)
+        self.context = context_info(loaded.trunk.config, loaded.mtp_layers)
+        self.max_context = max_context
+        self.context_limit = context_limit(self.context.max_position_embeddings, max_context)
+        dtype_bytes = torch.empty((), dtype=loaded.trunk.dtype).element_size()
+        self.kv_bytes_per_token = self.context.kv_bytes_per_token(dtype_bytes)
+        self.thinking = thinking_info(tokenizer) if tokenizer is not None else ThinkingInfo(False, "no tokenizer", None)
         self.caches = self.trunk.new_caches()
         self.mtp_drafter = MTPDrafter(loaded.mtp) if loaded.mtp is not None else None
         self.turns = TurnCache()
@@ -124,38 +141,73 @@ class Engine:
 
     # -- prompts ------------------------------------------------------------------------------------------------
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], think: bool | None = None, template_vars: dict | None = None) -> list[int]:
         """The chat template's token ids. Message contents are text: a user who types `<|im_end|>` gets the
-        characters, never the control token (only the template's own markers are special)."""
+        characters, never the control token (only the template's own markers are special). think: the
+        template's enable_thinking (None: its default; ignored by a template without the switch)."""
         tok = self.tokenizer
+        messages = [reasoning_apart(m) for m in messages]
+        variables = dict(template_vars or {})
+        if think is not None and self.thinking.switch:
+            variables["enable_thinking"] = think
         try:
-            rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **variables)
         except Exception as e:
             raise EngineError(f"chat template failed: {str(e).splitlines()[0][:200] if str(e) else e!r}") from None
-        contents = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
+        contents = [(m.get(k), k == "content") for m in messages for k in ("reasoning_content", "content")
+                    if isinstance(m.get(k), str)]
         specials = [t for t in tok.all_special_tokens + list(tok.added_tokens_encoder) if t]
-        if not any(t in c for c in contents for t in specials):
+        if not any(t in c for c, _ in contents for t in specials):
             return list(tok.encode(rendered, add_special_tokens=False))  # (the common case: one encode)
         ids, at = [], 0
-        for text in contents:  # each content where the template put it: encoded with special tokens split
+        for text, is_content in contents:  # each where the template put it: encoded with special tokens split
             start = rendered.find(text, at) if text else -1
-            if start < 0:
-                if any(t in text for t in specials):
+            if start < 0:  # (a reasoning the template dropped: nothing of it reaches the model)
+                if is_content and any(t in text for t in specials):
                     raise EngineError("a message holds control-token text that the chat template rewrote; "
                                       "remove the <|...|> markers from it")
                 continue
             ids += tok.encode(rendered[at:start], add_special_tokens=False)
-            ids += tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            ids += encode_as_text(tok, text)
             at = start + len(text)
         return ids + tok.encode(rendered[at:], add_special_tokens=False)
 
     def encode_raw(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    # -- the context --------------------------------------------------------------------------------------------
+
+    def check_context(self, prompt_tokens: int, max_new_tokens: int | None = None) -> None:
+        """EngineError (one line) when a prompt of `prompt_tokens` leaves no room for one new token within the
+        context, or, given max_new_tokens, for that many."""
+        limit = self.context_limit
+        if limit is None:
+            return
+        why = limit_source(self.context.max_position_embeddings, self.max_context)
+        if prompt_tokens + 1 > limit:
+            raise EngineError(f"the prompt is {prompt_tokens:,} tokens; the context is {limit:,} ({why})")
+        if max_new_tokens is not None and prompt_tokens + max_new_tokens > limit:
+            raise EngineError(f"--max-new-tokens {max_new_tokens}: with the prompt's {prompt_tokens:,} tokens it "
+                              f"exceeds the context of {limit:,} tokens ({why}); at most "
+                              f"{limit - prompt_tokens:,} new tokens here")
+
+    def fit_messages(self, messages: list[dict], reply_tokens: int) -> Fitted:
+        """The conversation to send so that it and `reply_tokens` of reply fit the context: the system prompt
+        kept, the oldest turns dropped (context.fit_messages). A conversation that fits comes back whole."""
+        return fit_messages(self.encode_chat, messages, self.context_limit, reply_tokens)
+
     def chat(self, messages, settings: GenerationSettings, control: DecodeControl | None = None):
-        return self.generate(self.encode_chat(messages), settings, control)
+        return self.generate(self.encode_chat(messages, settings.think, settings.template_vars), settings, control)
 
     # -- decoding -----------------------------------------------------------------------------------------------
+
+    def prefill_chunk(self, settings: GenerationSettings) -> int:
+        """Tokens per prefill pass. On CUDA 2048: at 512 launches and small GEMMs held an 8k-token prompt of the
+        27B shape to 3,500 tok/s, at 2048 it runs at 8,500 (8192 adds nothing but activation memory). The CPU
+        keeps 512: its activations (and the attention block, chunk x context) stay small next to the model."""
+        if settings.prefill_chunk is not None:
+            return settings.prefill_chunk
+        return 2048 if self.trunk.device.type == "cuda" else 512
 
     def fallbacks(self, settings: GenerationSettings, drafter) -> list[Fallback]:
         out = [f for f in self.loaded.fallbacks if f.feature != "speculation"]
@@ -173,7 +225,7 @@ class Engine:
             if runner.refreshing.failure and not runner.steps.failure:
                 out.append(Fallback("cuda_graphs", f"{runner.refreshing.failure}: the MTP head refreshes in a "
                                                    f"graph of its own after each verify pass"))
-        if settings.depth > 0 or drafter is not None:
+        if settings.depth != 0 or drafter is not None:
             if drafter is None and self.mtp_drafter is None:
                 out += [f for f in self.loaded.fallbacks if f.feature == "speculation"]
         return out
@@ -182,6 +234,10 @@ class Engine:
                  drafter=None) -> Iterator:
         """Yield Started, then Tokens / Cycle per cycle, then Finished. The engine stays usable after an exception."""
         settings.validate()
+        self.check_context(len(prompt_ids))
+        if self.context_limit is not None:  # a reply stops at the end of the context, finish reason "length"
+            settings = replace(settings, max_new_tokens=min(settings.max_new_tokens,
+                                                            self.context_limit - len(prompt_ids)))
         if not prompt_ids:
             raise EngineError("empty prompt")
         vocab = self.trunk.config.vocab_size
@@ -209,12 +265,16 @@ class Engine:
         if not settings.reuse:
             turns.reset()
         start, snap = turns.plan(prompt_ids, drafter)
-        yield Started(len(prompt_ids), start, fallbacks)
+        parts = ReplyParts(self.thinking, prompt_ids, settings.think_budget)
+        if settings.think is not None and not self.thinking.switch:
+            fallbacks.append(Fallback("thinking", f"{self.thinking.reason}: --think / --no-think has no effect"))
+        yield Started(len(prompt_ids), start, fallbacks, parts.opened)
 
         t0 = time.perf_counter()
         detok = TextStream(self.tokenizer)
         flight = Flight()
         ttft, ok, depth_cap = None, False, None
+        chooser, chosen = DepthChooser(AUTO_MAX_DEPTH), {}
         with torch.inference_mode():
             try:
                 if snap is not None:
@@ -226,11 +286,22 @@ class Engine:
                     turns.reset()
                 turns.drafter = drafter
                 if self.trunk.graphs is not None:  # one reservation for the request: no re-capture mid-reply
-                    self.caches.kv.reserve(len(prompt_ids) - self.caches.processed + settings.max_new_tokens + 16)
+                    # (graph-mode attention reads the whole capacity, so none is reserved ahead: on the H200, 27B
+                    # shape, 8k positions of capacity cost a 200-token prompt 12 ms, and decoding after a 128k
+                    # prompt over twice its capacity ran at 33 tok/s against 44)
+                    end = len(prompt_ids) + settings.max_new_tokens + 16
+                    self.caches.kv.reserve(end - self.caches.processed)
                     if getattr(drafter, "graphs", None) is not None:
-                        drafter.reserve(len(prompt_ids) - drafter.covered + settings.max_new_tokens + 16)
+                        drafter.reserve(end - drafter.covered)
                 if start < len(prompt_ids):
-                    logits = prefill(self.trunk, self.caches, drafter, ids[start:], settings.prefill_chunk, timer)
+                    # a prompt that opens the reply's reasoning: a snapshot before the opening marker too, where
+                    # the next turn's prompt (earlier reasoning dropped by the template) still agrees with it
+                    opened_at = last_open(prompt_ids, self.thinking.open_id) if parts.opened else None
+                    if opened_at is not None and start < opened_at:
+                        turns.take(opened_at, prefill(self.trunk, self.caches, drafter, req.seq[:opened_at],
+                                                      self.prefill_chunk(settings), timer), self.caches, drafter)
+                    logits = prefill(self.trunk, self.caches, drafter, req.seq[: req.length],
+                                     self.prefill_chunk(settings), timer)
                     turns.history = list(prompt_ids)
                     turns.take(len(prompt_ids), logits, self.caches, drafter)
                 else:
@@ -248,7 +319,9 @@ class Engine:
                 ttft = (time.perf_counter() - t0) * 1e3
                 with timer.phase("detokenize"):
                     pieces = detok.pieces([first_id])
-                yield Tokens([first_id], ["target"], "".join(pieces), pieces)
+                labels = parts.label([first_id], pieces)
+                yield Tokens([first_id], [TARGET], "".join(pieces), pieces, labels)
+                parts.cap(req)
                 sync = getattr(control, "sync", None)  # tensor parallelism: rank 0 decides depth and stop
                 while req.finish is None:
                     if sync is not None:
@@ -256,9 +329,18 @@ class Engine:
                     if control.stopped:
                         req.finish = "stop"
                         break
+                    if parts.over_budget(req):
+                        yield self.close_reasoning(req, parts, drafter, flight, detok, settings, timer)
+                        continue
                     depth = settings.depth if control.depth is None else control.depth
-                    depth = max(0, int(depth)) if depth_cap is None else min(depth_cap, max(0, int(depth)))
+                    auto = depth == AUTO
+                    if auto:  # (tensor parallelism: rank 0's pick, see tp_session.SyncedControl.agree)
+                        depth = getattr(control, "agree", int)(chooser.pick() if drafter is not None else 0)
+                    else:
+                        depth = max(0, int(depth))
+                    depth = depth if depth_cap is None else min(depth_cap, depth)
                     try:
+                        part, t_cycle = parts.tracker.part, time.perf_counter()
                         out, sources, stats = cycle(self.trunk, self.caches, drafter, req, flight, depth, timer)
                     except StateLost as e:  # (the finally below drops the state)
                         raise EngineError(f"{e}; the cached conversation state was dropped, the next reply "
@@ -278,8 +360,19 @@ class Engine:
                         continue
                     with timer.phase("detokenize"):
                         pieces = detok.pieces(out)
+                    labels = parts.label(out, pieces)
+                    ms = (time.perf_counter() - t_cycle) * 1e3
+                    parts.cycle(part, stats.drafted, stats.accepted, ms)
+                    if auto:
+                        chooser.observe(stats.depth, stats.accepted_per_position, ms)
+                        stats.why = chooser.why
+                        chosen[stats.depth] = chosen.get(stats.depth, 0) + 1
                     yield stats
-                    yield Tokens(out, sources, "".join(pieces), pieces)
+                    yield Tokens(out, sources, "".join(pieces), pieces, labels)
+                    if parts.over_budget(req):
+                        req.finish = None  # the budget's cap, not the reply's end: the loop closes the reasoning
+                    else:
+                        parts.resume(req)  # (a cycle the budget's cap stopped after the reasoning closed)
                 ok = True
             except GeneratorExit:  # the consumer stopped reading: the committed state is consistent
                 ok = True
@@ -314,8 +407,60 @@ class Engine:
             "ttft_ms": ttft,
             "total_s": elapsed,
             "phase_ms": dict(timer.totals),
+            "parts": parts.to_json(),
+            "auto_depths": {str(k): n for k, n in sorted(chosen.items())},  # --depth auto: cycles per depth
         }
         yield Finished(req.finish, stats, fallbacks)
+
+    def close_reasoning(self, req, parts, drafter, flight, detok, settings, timer) -> Tokens:
+        """The thinking budget ran out inside the reasoning: commit the closing marker and a blank line as a
+        prompt's tokens are (prefill; the MTP head primed over them), then the target's next token; decoding
+        resumes after them, at every depth from the same token. Within the request's cap: what does not fit is
+        cut, and the reply ends there."""
+        forced = [self.thinking.close_id] + self.encode_raw("\n\n")
+        room = parts.max_new - len(req.generated)
+        drop_in_flight(self.caches, drafter, flight)  # (a cycle launched ahead drafted past the budget)
+        req.append(torch.tensor(forced[:room], dtype=torch.long, device=req.seq.device))
+        ids, sources = forced[:room], [FORCED] * min(room, len(forced))
+        if room > len(forced):
+            logits = prefill(self.trunk, self.caches, drafter, req.seq[: req.length], self.prefill_chunk(settings),
+                             timer)
+            with timer.phase("sampling"):
+                token = pick(logits, req)
+            req.append(token)
+            ids, sources = ids + [int(token[0])], sources + [TARGET]
+        req.generated.extend(ids)
+        req.finish = "eos" if ids[-1] in req.stop_ids else "length" if len(req.generated) >= parts.max_new else None
+        with timer.phase("detokenize"):
+            pieces = detok.pieces(ids)
+        labels = parts.label(ids, pieces)
+        parts.cap(req)
+        return Tokens(ids, sources, "".join(pieces), pieces, labels)
+
+    def warm_up(self, depths=(0, 1, 2, 3), progress=None) -> dict:
+        """Pay, at load, what the first replies of a chat would: kernel compilation and autotuning (FLA's JIT,
+        the Triton kernels), and the CUDA graphs of every depth in `depths`, for a first prompt and a follow-up
+        turn (prefill at an offset). progress(done, total, what) after each step. Leaves no conversation state:
+        the next request starts from zero. Returns {"seconds": wall time, "steps": steps run}."""
+        from .graphs import PREFILL_WIDTHS
+
+        depths = [d for d in dict.fromkeys(depths) if d == 0 or self.mtp_drafter is not None]
+        # a prompt wider than the prefill graphs (the chunked GDN kernel's JIT and autotuning), then each depth's
+        # first prompt and follow-up turn (every graph of the decode loop, a prefill graph at an offset)
+        plan = [(0, "long", PREFILL_WIDTHS[-1] + 44)] + [(d, turn, 48) for d in depths for turn in ("first", "turn")]
+        t0 = time.perf_counter()
+        try:
+            for done, (d, turn, n) in enumerate(plan, 1):
+                settings = GenerationSettings(max_new_tokens=8, depth=d, ignore_eos=True, reuse=turn == "turn")
+                ids = [1 + i % 64 for i in range(n)]  # (synthetic ids: any vocabulary has them)
+                for _ in self.generate(self.turns.history + ids if turn == "turn" else ids, settings):
+                    pass
+                if progress is not None:
+                    progress(done, len(plan), f"depth {d}: {turn} prompt")
+        finally:
+            self.turns.reset()
+            self.caches.reset()
+        return {"seconds": time.perf_counter() - t0, "steps": len(plan)}
 
     # -- reporting ----------------------------------------------------------------------------------------------
 
@@ -337,6 +482,22 @@ class Engine:
                 graphs.reset()  # (a captured step's closure holds the drafter)
         self.graph_runner = self.caches = self.mtp_drafter = self.turns = None
         self.trunk = self.loaded = None
+
+
+def encode_as_text(tok, text: str) -> list[int]:
+    """text's ids with nothing in it read as a marker: special tokens split (split_special_tokens), and the
+    added tokens that are not special (Qwen's <think>, </think>, <tool_call>, which splitting keeps whole)
+    spelled as ordinary tokens, their first character apart."""
+    encode = lambda t: tok(t, add_special_tokens=False, split_special_tokens=True)["input_ids"] if t else []
+    special = set(tok.all_special_tokens)
+    added = sorted((t for t in tok.added_tokens_encoder if t and t not in special), key=len, reverse=True)
+    if not added:
+        return encode(text)
+    ids, at = [], 0
+    for m in re.finditer("|".join(map(re.escape, added)), text):
+        ids += encode(text[at : m.start()]) + encode(m.group()[:1]) + encode(m.group()[1:])
+        at = m.end()
+    return ids + encode(text[at:])
 
 
 def stop_ids_for(root: Path, tokenizer, raw_config: dict) -> set[int]:
@@ -365,16 +526,19 @@ def load_tokenizer(root: Path):
 
 
 def load_engine(path: str | None = None, device: str | None = None, dtype: str | None = None,
-                cuda_graphs: bool | None = None, tp=None, compile: bool | None = None) -> Engine:
+                cuda_graphs: bool | None = None, tp=None, compile: bool | None = None,
+                max_context: int | None = None) -> Engine:
     """Load `path`, or the best model discovered; out of memory at load moves on to the next candidate.
-    tp: a tp.TPGroup: this process is one rank of a tensor-parallel group and loads only its shard."""
+    tp: a tp.TPGroup: this process is one rank of a tensor-parallel group and loads only its shard.
+    max_context: cap the context (and so the KV cache's memory) at this many tokens."""
+    check_max_context(max_context)  # before the (slow) load
     if path is not None:
-        return _load_engine(path, device, dtype, cuda_graphs, tp, compile)
+        return _load_engine(path, device, dtype, cuda_graphs, tp, compile, max_context)
     notes, tried = [], set()
     while True:
         candidate = default_model_path(exclude=tried)
         try:
-            engine = _load_engine(candidate, device, dtype, cuda_graphs, tp, compile)
+            engine = _load_engine(candidate, device, dtype, cuda_graphs, tp, compile, max_context)
         except (torch.OutOfMemoryError, EngineError) as e:  # the next candidate, with the reason on record
             tried.add(candidate)
             if torch.cuda.is_available():
@@ -387,11 +551,11 @@ def load_engine(path: str | None = None, device: str | None = None, dtype: str |
         return engine
 
 
-def _load_engine(path, device, dtype, cuda_graphs, tp, compile=None) -> Engine:
+def _load_engine(path, device, dtype, cuda_graphs, tp, compile=None, max_context=None) -> Engine:
     loaded = load(path, device, dtype, tp=tp)
     root = Path(loaded.path)
     tok = load_tokenizer(root)
-    return Engine(loaded, tok, stop_ids_for(root, tok, loaded.raw_config), cuda_graphs, compile)
+    return Engine(loaded, tok, stop_ids_for(root, tok, loaded.raw_config), cuda_graphs, compile, max_context)
 
 
 def default_model_path(exclude: set[str] = frozenset()) -> str:

@@ -21,6 +21,11 @@ def new_serial() -> int:
 
 
 RESERVE_CHUNK = 256  # KV grows in whole chunks so a verify pass never reallocates mid-cycle
+# ... and by at least this factor: a long prompt's chunks (or a conversation's turns) then copy the cache a few
+# times in all rather than once per chunk (quadratic), and CUDA graphs, captured over the cache's buffers, are
+# re-captured every few turns rather than every turn. Graph-mode decode attention reads the whole capacity: the
+# factor bounds what that costs over the filled length.
+GROWTH = 1.25
 
 
 class KVCache:
@@ -39,11 +44,12 @@ class KVCache:
         return self.k.shape[2]
 
     def reserve(self, n: int) -> None:
-        """Make room for n more positions, rounding capacity up to a whole chunk (>= the verify width)."""
+        """Make room for n more positions: capacity grows by GROWTH at least, in whole chunks (>= the verify
+        width)."""
         need = self.length + n
         if need <= self.capacity:
             return
-        cap = -(-need // self.chunk) * self.chunk
+        cap = -(-max(need, int(self.capacity * GROWTH)) // self.chunk) * self.chunk
         L, H, _, D = self.shape
         # zeros, not empty: graph-mode attention reads the whole capacity under a mask, and 0 * NaN is NaN
         k = torch.zeros((L, H, cap, D), dtype=self.dtype, device=self.device)
@@ -71,13 +77,12 @@ def kv_write(keys, values, pos: int, k: torch.Tensor, v: torch.Tensor):
 
 
 def kv_write_at(keys, values, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Graph-safe write at device-side positions [T] (Trunk.positions); returns the whole capacity and the causal
-    mask's complement [T, capacity] (True: a position the query must not see). An index_put (not index_copy_) so
-    that the compiler updates the cache in place instead of copying it."""
+    """Graph-safe write at device-side positions [T] (Trunk.positions); returns the whole capacity [1, H, N, D]
+    (the attention masks what lies past each query's position). An index_put (not index_copy_) so that the
+    compiler updates the cache in place instead of copying it."""
     keys[:, positions] = k[0]
     values[:, positions] = v[0]
-    future = torch.arange(keys.shape[1], device=k.device)[None, :] > positions[:, None]
-    return keys.unsqueeze(0), values.unsqueeze(0), future
+    return keys.unsqueeze(0), values.unsqueeze(0)
 
 
 class GDNState:

@@ -7,6 +7,7 @@ from importlib import metadata
 
 import torch
 
+from .context import tokens_that_fit
 from .reuse import MAX_SNAPSHOTS
 
 
@@ -53,7 +54,24 @@ def snapshot(engine) -> dict:
         "fallbacks": [{"feature": f.feature, "reason": f.reason} for f in engine.loaded.fallbacks],
         "reuse": {"history_tokens": len(engine.turns.history), "snapshots": len(engine.turns.snapshots),
                   "snapshot_bytes": engine.turns.nbytes, "max_snapshots": MAX_SNAPSHOTS},
+        "context": context_report(engine, dev.get("memory_free")),
     }
+
+
+def context_report(engine, free_bytes: int | None) -> dict:
+    """The context a request may use and where that comes from; under YaRN also the pretrained context and the
+    factor (max_position_embeddings already includes the stretch: it is the limit). On CUDA, how many more
+    positions of KV cache the free memory holds."""
+    c = engine.context
+    out = {"limit": engine.context_limit, "max_position_embeddings": c.max_position_embeddings,
+           "max_context": engine.max_context}
+    if c.rope_type != "default":
+        out.update(rope_type=c.rope_type, rope_factor=c.rope_factor,
+                   original_max_position_embeddings=c.original_max_position_embeddings)
+    out["kv_bytes_per_token"] = engine.kv_bytes_per_token
+    if free_bytes is not None:
+        out["fits_in_free_memory"] = tokens_that_fit(free_bytes, 0, engine.kv_bytes_per_token, None)
+    return out
 
 
 def _compile_mode(engine) -> str:

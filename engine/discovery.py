@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .checkpoint import (quant_method, read_header, read_json, unloadable_dtype, unsupported_quantization,
                          weight_files)
+from .context import DTYPE_BYTES, ContextInfo, context_info, text_part, tokens_that_fit
 from .environment import (DeviceInfo, cuda_unavailable_reason, fla_status, format_bytes, probe_device,
                           run_dtype)
 from .errors import EngineError
@@ -36,14 +37,14 @@ SUPPORTED_MODEL_TYPES = tuple(SUPPORTED)  # qwen3_next, qwen3_5, qwen3_5_text, q
 MARGIN_FRACTION = 0.10
 MARGIN_BYTES = {"cuda": 768 << 20, "cpu": 256 << 20}
 
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
     "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "F8_E8M0": ("float8_e8m0fnu", 1),
     "F4": ("float4_e2m1fn_x2", 1), "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2),
     "I8": ("int8", 1), "U64": ("uint64", 8), "U32": ("uint32", 4), "U16": ("uint16", 2), "U8": ("uint8", 1),
     "BOOL": ("bool", 1),
 }
-_DTYPE_BYTES = {name: size for name, size in _SAFETENSORS_DTYPES.values()}
+_DTYPE_BYTES = {name: size for name, size in SAFETENSORS_DTYPES.values()}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
@@ -72,13 +73,20 @@ class Candidate:
     has_tokenizer: bool = False
     mtp_layers_declared: int | None = None  # what config.json says, if anything
     notes: list[str] = field(default_factory=list)
+    context: ContextInfo | None = None  # what config.json says of the context (limit, YaRN, attention layers)
+    kv_bytes_per_token: int | None = None  # KV cache per position at run_dtype
+    context_fits: int | None = None  # positions of KV cache free memory holds beside the model (<= its context)
+
+    @property
+    def context_limit(self) -> int | None:
+        return self.context.max_position_embeddings if self.context is not None else None
 
     @property
     def has_mtp(self) -> bool:
         return self.mtp_layers > 0
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "context_limit": self.context_limit}
 
 
 @dataclass
@@ -171,19 +179,20 @@ def inspect_model(path: str | os.PathLike, source: str = "folder", name: str | N
         for dt, shape in tensors.values():
             by_dtype[dt] = by_dtype.get(dt, 0) + _numel(shape)
         top = max(by_dtype, key=by_dtype.get)
-        cand.dtype = _SAFETENSORS_DTYPES.get(top, (top.lower(), 0))[0]
+        cand.dtype = SAFETENSORS_DTYPES.get(top, (top.lower(), 0))[0]
         if cand.quantization is None and top.startswith("F8"):
             cand.quantization = "fp8"
-        cand.mtp_layers = _count_mtp_layers(tensors, cand)
+        cand.mtp_layers = count_mtp_layers(tensors, cand)
     else:
         cand.dtype = _config_dtype(cfg)
+    cand.context = context_info(text_part(cfg), cand.mtp_layers)
 
     # what load refuses from config.json and the headers, in load's words
     quantized = unsupported_quantization(cfg)
     if quantized:
         problems.append(f"config.json: {quantized}")
     if fam is not None:
-        problems += _unloadable_tensors(tensors, file_of, fam)[:1]
+        problems += unloadable_tensors(tensors, file_of, fam)[:1]
     if cand.mtp_layers_declared and not cand.mtp_layers and tensors:
         cand.notes.append(f"config declares {cand.mtp_layers_declared} MTP layer(s) but the checkpoint has no "
                           f"usable mtp.* tensors: plain decoding")
@@ -192,7 +201,7 @@ def inspect_model(path: str | os.PathLike, source: str = "folder", name: str | N
     return assess(cand, device) if device is not None else cand
 
 
-def _unloadable_tensors(tensors: dict, file_of: dict[str, str], fam) -> list[str]:
+def unloadable_tensors(tensors: dict, file_of: dict[str, str], fam) -> list[str]:
     """Why each tensor that load would read (trunk and MTP head, not a vision tower) cannot be loaded."""
     out = []
     for name, (dtype, _) in tensors.items():
@@ -203,7 +212,7 @@ def _unloadable_tensors(tensors: dict, file_of: dict[str, str], fam) -> list[str
     return out
 
 
-def _count_mtp_layers(tensors: dict, cand: Candidate) -> int:
+def count_mtp_layers(tensors: dict, cand: Candidate) -> int:
     layers = {int(m.group(1)) for k in tensors if (m := _MTP_LAYER.match(k))}
     if not layers:
         return 0
@@ -246,7 +255,10 @@ def assess(cand: Candidate, device: DeviceInfo) -> Candidate:
     """A copy of `cand` with run_dtype, mem_bytes and fits_device for `device`."""
     dtype, mem = estimate_memory(cand, device)
     fits = mem is not None and mem <= device.available_bytes
-    return replace(cand, run_dtype=dtype, mem_bytes=mem, fits_device=fits, notes=list(cand.notes))
+    kv = cand.context.kv_bytes_per_token(DTYPE_BYTES.get(dtype, 2)) if cand.context is not None else None
+    context = tokens_that_fit(device.available_bytes, mem, kv or 0, cand.context_limit)
+    return replace(cand, run_dtype=dtype, mem_bytes=mem, fits_device=fits, notes=list(cand.notes),
+                   kv_bytes_per_token=kv, context_fits=context)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""What proposes tokens. One interface: reset / observe committed positions / propose k / rollback.
+"""What proposes tokens. One interface: reset / observe committed positions / prime (during prefill) / propose k /
+rollback.
 
 The engine calls observe(hidden) with the trunk's post-norm hidden states of newly processed positions, and
 propose(seq, k) with the committed token sequence (the last token committed but not yet processed).
@@ -11,6 +12,9 @@ import random
 import torch
 
 from .sampling import probabilities, sample
+
+
+PRIME_CHUNK = 2048  # positions the MTP head runs over at once when catching up (prefill's priming, a depth change)
 
 
 class MTPDrafter:
@@ -111,21 +115,33 @@ class MTPDrafter:
         """Forget speculative entries; keep what was verified (pending hiddens stay valid)."""
         self.cache.trim(self.covered)
 
-    def catch_up(self, seq_tokens: torch.Tensor):
-        """Run the head over pending positions. seq_tokens[p] is the committed token at position p.
-        Nothing pending (a cycle failed after its catch-up): the last result still holds, the cache is unchanged."""
+    def catch_up(self, seq_tokens: torch.Tensor, upto: int | None = None):
+        """Run the head over the pending positions before position `upto` (all of them when None), PRIME_CHUNK
+        positions at a time, like the trunk's prefill: the head's attention then holds a chunk x context block,
+        never context x context. seq_tokens[p] is the committed token at position p. Each chunk leaves a
+        consistent state (covered, pending, last), so a failure inside one loses no earlier chunk's work. With
+        nothing to run, the last result holds and the cache is unchanged."""
         if not self.pending:
             return self.last
         hidden = torch.cat(self.pending, dim=1) if len(self.pending) > 1 else self.pending[0]
-        n, C = hidden.shape[1], self.covered
+        n = hidden.shape[1] if upto is None else min(hidden.shape[1], upto - self.covered)
+        if n <= 0:
+            return self.last
         self.cache.reserve(n)
-        logits, out = self.run_head(hidden, seq_tokens[C + 1 : C + 1 + n].unsqueeze(0), C)
-        self.covered += n
-        self.cache.trim(self.covered)
-        self.pending = []
-        # copies: a replayed graph's outputs are overwritten by the draft steps that follow
-        self.last = logits[:, -1].clone(), out[:, -1:].clone()
+        for s in range(0, n, PRIME_CHUNK):
+            e, C = min(n, s + PRIME_CHUNK), self.covered
+            logits, out = self.run_head(hidden[:, s:e], seq_tokens[C + 1 : C + 1 + e - s].unsqueeze(0), C)
+            # copies: a replayed graph's outputs are overwritten by the draft steps that follow
+            self.last = logits[:, -1].clone(), out[:, -1:].clone()
+            self.covered = C + e - s
+            self.cache.trim(self.covered)
+            self.pending = [hidden[:, e:].clone()] if e < hidden.shape[1] else []
         return self.last
+
+    def prime(self, seq_tokens: torch.Tensor, upto: int) -> None:
+        """During prefill, after each chunk: the head over every observed position whose next token is known
+        (all but the prompt's last, which waits for the first sampled token)."""
+        self.catch_up(seq_tokens, upto)
 
     def propose(self, seq_tokens: torch.Tensor, k: int, timer, req=None):
         """k drafts [k] on the device, and their distributions [k, V] when sampling (None when greedy).
@@ -160,15 +176,29 @@ class MTPDrafter:
 
 
 class OracleDrafter:
-    """Replays known tokens (e.g. a plain run's output) with a chosen corruption rate: drafting at a controlled
-    acceptance for tests and benchmarks, independent of model quality."""
+    """Replays known tokens (e.g. a plain run's output) at a controlled acceptance, for tests and benchmarks,
+    independent of model quality: each token corrupted at a flat rate, or (profile) draft position i correct with
+    probability profile[i] given that position i - 1 was, as real MTP heads behave; later = (n, profile): from
+    the n-th generated token on, that profile instead (text that turns hard mid-reply)."""
 
     name = "oracle"
 
-    def __init__(self, reference: list[int], prompt_len: int, corruption: float = 0.0, vocab: int = 2, seed: int = 0):
+    def __init__(self, reference: list[int], prompt_len: int, corruption: float = 0.0, vocab: int = 2, seed: int = 0,
+                 profile: list[float] | None = None, later: tuple[int, list[float]] | None = None):
         self.reference, self.prompt_len = list(reference), prompt_len
         self.corruption, self.vocab = corruption, vocab
+        self.profile, self.later = profile, later
         self.rng = random.Random(seed)
+
+    def correct(self, i: int, start: int, so_far: bool) -> bool:
+        """Whether draft position i (of a cycle at generated index `start`) proposes the reference token."""
+        profile = self.profile
+        if self.later is not None and start >= self.later[0]:
+            profile = self.later[1]
+        if profile is None:
+            return self.rng.random() >= self.corruption
+        p = profile[min(i, len(profile) - 1)] if so_far else 0.0  # (after a miss nothing is judged)
+        return self.rng.random() < p
 
     def reset(self) -> None:
         pass
@@ -182,6 +212,9 @@ class OracleDrafter:
     def observe_kept(self, kept) -> None:
         pass
 
+    def prime(self, seq_tokens: torch.Tensor, upto: int) -> None:
+        pass
+
     def rollback(self) -> None:
         pass
 
@@ -189,11 +222,12 @@ class OracleDrafter:
         """Deterministic proposals: q is a point mass (None)."""
         with timer.phase("draft"):
             start = seq_tokens.shape[0] - self.prompt_len  # generated tokens so far
-            out = []
+            out, so_far = [], True
             for i in range(k):
                 j = start + i
                 tok = self.reference[j] if j < len(self.reference) else 0
-                if self.rng.random() < self.corruption:
+                so_far = self.correct(i, start, so_far)
+                if not so_far:
                     tok = (tok + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
                 out.append(tok)
             return torch.tensor(out, dtype=torch.long, device=seq_tokens.device), None

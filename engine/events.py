@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 DRAFT = "draft"  # an accepted draft token
 TARGET = "target"  # produced by the target model: first token, bonus, correction, or plain decoding
+FORCED = "forced"  # appended by the engine: the close of a reasoning block whose thinking budget ran out
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class Started:
     prompt_tokens: int
     reused_tokens: int = 0  # prompt tokens whose state was reused from the previous turn
     fallbacks: list[Fallback] = field(default_factory=list)
+    reasoning: bool = False  # the reply opens inside a reasoning block (the generation prompt opened it)
 
 
 @dataclass
@@ -30,6 +32,7 @@ class Tokens:
     sources: list[str]
     text: str
     pieces: list[str] = field(default_factory=list)
+    parts: list[str] = field(default_factory=list)  # per token: "reasoning" | "answer" (engine/reasoning.py)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Cycle:
     accepted_per_position: list[bool]  # one flag per drafted position
     phase_ms: dict[str, float]  # this cycle's phases
     committed: int  # tokens committed this cycle: accepted + 1, or accepted when an accepted draft was the EOS
+    why: str = ""  # --depth auto: why this depth (the expected tokens per second of each)
 
 
 @dataclass

@@ -170,6 +170,11 @@ class StepGraphs:
                 "replays": {str(k): v for k, v in sorted(self.replays.items())}}
 
 
+# A chat turn's prefill (tens to hundreds of tokens) is launch-bound when eager: on the H200 a 200-token prompt of
+# the 27B shape took 107 ms, its kernels a fraction of that. Up to the widest bucket it replays a graph instead.
+PREFILL_WIDTHS = (16, 32, 64, 96, 128, 160, 192, 224, 256)  # (padding costs compute: buckets 32 apart)
+
+
 class GraphRunner:
     """The trunk's verify steps as graphs (optionally with each layer kind compiled inside them)."""
 
@@ -181,6 +186,7 @@ class GraphRunner:
         self.refreshing = StepGraphs(trunk.device, max_width, trunk.group)  # verify + the MTP head's refresh
         self.splits: dict[int, object] = {}  # width -> the event a refreshing graph records between the two
         self.decodes = StepGraphs(trunk.device, 1, trunk.group)  # plain decoding's in-place step
+        self.prefills = StepGraphs(trunk.device, PREFILL_WIDTHS[-1], trunk.group)  # short prefills, padded
         self.compile_failure: str | None = None
         if compile:
             trunk.compiled_block = compile_block()
@@ -191,6 +197,7 @@ class GraphRunner:
         self.finals.reset()
         self.decodes.reset()
         self.refreshing.reset()
+        self.prefills.reset()
 
     def keep_rows(self, state, stash, n: int, backends) -> None:
         """gdn.keep_rows as a graph per kept length n (and one per whole verify pass kept): the kernel launch
@@ -290,13 +297,39 @@ class GraphRunner:
 
         return self.decodes.try_run(key, (tokens,), pos, step, "decode graph", warmup)
 
+    def prefill(self, tokens: torch.Tensor, pos: int, caches):
+        """A short prefill of tokens [1, n] as a verify pass padded to the next of PREFILL_WIDTHS, from a graph per
+        width, then committed to its n real rows: the GDN recurrence replayed over them alone (gdn.commit), so the
+        padding never reaches the state, and its KV rows past n are dead. Returns the hiddens [1, n, H] (static:
+        read them before the next replay) with the caches advanced by n; None when too wide, an MoE model (its
+        wide MoE path is transformers' own, which syncs with the host), or not capturable: prefill eagerly."""
+        trunk, n = self.trunk, tokens.shape[1]
+        width = next((w for w in PREFILL_WIDTHS if w >= n), None)
+        if width is None or any(hasattr(layer.mlp, "experts") for layer in trunk.layers):
+            return None
+        caches.kv.reserve(width)
+        # the widest stash at once: the verify graphs, keyed by the stash, are not re-captured by a wider prefill
+        stash = caches.stash_for(PREFILL_WIDTHS[-1], trunk)
+        key = (caches.kv.serial, stash.serial, caches.gdn.serial)
+        padded = torch.nn.functional.pad(tokens, (0, width - n))  # (id 0: any vocabulary has it)
+
+        def step(tokens, pos):
+            return trunk.forward(tokens, pos, caches, verify=True)
+
+        hidden = self.prefills.try_run(key, (padded,), pos, step, "prefill graph")
+        if hidden is None:
+            return None
+        stash.width = width
+        caches.commit(n - 1, trunk.backends)  # (eager: one kernel call; a graph per n would capture per prompt)
+        return hidden[:, :n]
+
     @property
     def failure(self) -> str | None:
         return self.steps.failure or self.commits.failure or self.finals.failure
 
     def report(self) -> dict:
         return {**self.steps.report(), "commit": self.commits.report(), "commit_whole": self.finals.report(),
-                "decode": self.decodes.report(),
+                "decode": self.decodes.report(), "prefill": self.prefills.report(),
                 "verify_refresh": self.refreshing.report(),
                 "compiled": self.trunk.compiled_block is not None, "compile_failure": self.compile_failure,
                 "warmup_s": round(self.steps.warmup_s, 1)}

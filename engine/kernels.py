@@ -229,6 +229,7 @@ class Backends:
     gdn_chunk: object = field(default_factory=lambda: Kernel("torch", True))
     gdn_recurrent: object = field(default_factory=lambda: Kernel("torch", False))
     moe: str = "rowwise"  # the decode-width MoE path (model.MOE_PATHS)
+    decode_attention: str = "masked"  # graph-mode attention: "masked" (model) or "triton" (attention_triton)
     choice: dict[str, tuple[str, str]] = field(default_factory=dict)  # op -> (backend, reason)
 
 

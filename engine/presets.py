@@ -11,20 +11,21 @@ from .kernels import select_backends
 from .model import Loaded, Rotary, Trunk, default_device_dtype, layer_slots
 
 PRESETS = {
-    # Qwen3.5-27B (dense): 64 layers, 3 GDN : 1 attention
+    # Qwen3.5-27B (dense): 64 layers, 3 GDN : 1 attention; both real shapes take 262,144 positions (their
+    # configs' max_position_embeddings; the transformers default, 32,768, would cap bench --prompt-tokens)
     "qwen3.5-27b": ("qwen3_5_text", dict(
         vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
         num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
         linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        tie_word_embeddings=False)),
+        max_position_embeddings=262144, tie_word_embeddings=False)),
     # Qwen3-Next-80B-A3B (MoE): 48 layers, 512 experts, 10 routed + 1 shared
     "qwen3-next-80b-a3b": ("qwen3_next", dict(
         vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48,
         num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
         linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
         num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, max_position_embeddings=262144,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})),
     # a few-layer toy of the 27B shape for quick checks
     "tiny": ("qwen3_next", dict(

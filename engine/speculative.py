@@ -66,16 +66,24 @@ class StateLost(RuntimeError):
     next request starts from zero."""
 
 
-def prefill(trunk, caches, drafter, ids: torch.Tensor, chunk: int, timer: PhaseTimer) -> torch.Tensor:
-    """Process prompt ids [n] in chunks; return the last position's logits [1, V]."""
+def prefill(trunk, caches, drafter, seq: torch.Tensor, chunk: int, timer: PhaseTimer) -> torch.Tensor:
+    """Process the committed tokens seq [n] past those the caches hold (a reused prefix) in chunks of `chunk`;
+    after each, the drafter primes over the positions whose next token is known, so that neither ever holds more
+    than a chunk's activations. Returns the last position's logits [1, V]."""
+    n = seq.shape[0]
+    for s in range(caches.processed, n, chunk):
+        part = seq[s : min(n, s + chunk)].unsqueeze(0)
+        with timer.phase("prefill"):
+            h = trunk.graphs.prefill(part, caches.processed, caches) if trunk.graphs is not None else None
+            if h is None:  # (wide, or no graphs)
+                caches.kv.reserve(part.shape[1])
+                h = trunk.forward(part, caches.processed, caches, verify=False)
+                caches.advance(part.shape[1])
+        if drafter is not None:
+            drafter.observe(h)
+            with timer.phase("priming"):
+                drafter.prime(seq, min(caches.processed, n - 1))
     with timer.phase("prefill"):
-        for s in range(0, ids.shape[0], chunk):
-            part = ids[s : s + chunk].unsqueeze(0)
-            caches.kv.reserve(part.shape[1])
-            h = trunk.forward(part, caches.processed, caches, verify=False)
-            caches.advance(part.shape[1])
-            if drafter is not None:
-                drafter.observe(h)
         return trunk.logits(h[:, -1])
 
 

@@ -14,7 +14,11 @@ import torch.distributed as dist
 
 from .api import DecodeControl, GenerationSettings, load_engine
 from .errors import EngineError
+from .limits import AUTO
 from .tp import DEFAULT_TIMEOUT_S, _backend_and_devices, _free_port, check_split, die_with_parent, init_group
+
+
+AUTO_CODE = -2  # --depth auto in the per-cycle broadcast (-1: no depth set)
 
 
 class SyncedControl(DecodeControl):
@@ -29,12 +33,20 @@ class SyncedControl(DecodeControl):
         t = torch.tensor([-1, 0], dtype=torch.long, device=self.group.device)
         if self.leader is not None:
             depth = self.leader.depth
-            t[0], t[1] = (-1 if depth is None else int(depth)), int(self.leader.stopped)
+            t[0] = -1 if depth is None else AUTO_CODE if depth == AUTO else int(depth)
+            t[1] = int(self.leader.stopped)
         self.group.broadcast_(t)
         depth, stop = t.tolist()
-        self.depth = None if depth < 0 else depth
+        self.depth = None if depth == -1 else AUTO if depth == AUTO_CODE else depth
         if stop:
             self.stop()
+
+    def agree(self, depth: int) -> int:
+        """--depth auto: rank 0's pick for this cycle (each rank's chooser times its own cycles, and every rank
+        must run the same depth)."""
+        t = torch.tensor([depth], dtype=torch.long, device=self.group.device)
+        self.group.broadcast_(t)
+        return int(t.item())
 
 
 def _send(group, command) -> list:
@@ -43,14 +55,16 @@ def _send(group, command) -> list:
     return box
 
 
-def _follower(rank: int, world: int, port: int, kind: str, model, device, dtype, parent: int) -> None:
+def _follower(rank: int, world: int, port: int, kind: str, model, device, dtype, parent: int,
+              max_context: int | None = None) -> None:
     die_with_parent(parent)  # a follower ends with the chat, however the chat ends
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     sys.stdout = sys.stderr = open(os.devnull, "w")  # the terminal belongs to rank 0's UI
     if kind == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     group = init_group(rank, world, kind)
-    engine = load_engine(model, None if kind == "cpu" else "cuda", dtype, tp=group)
+    # the same context limit as rank 0: a reply clipped at the limit must end at the same cycle on every rank
+    engine = load_engine(model, None if kind == "cpu" else "cuda", dtype, tp=group, max_context=max_context)
     while True:
         command = _send(group, None)[0]
         if command[0] == "chat":
@@ -65,7 +79,8 @@ def _follower(rank: int, world: int, port: int, kind: str, model, device, dtype,
 class TPLeader:
     """Rank 0 of a chat session: behaves like an Engine for the app's decode thread."""
 
-    def __init__(self, model: str | None, device: str | None, dtype: str | None, world: int):
+    def __init__(self, model: str | None, device: str | None, dtype: str | None, world: int,
+                 max_context: int | None = None):
         import torch.multiprocessing as mp
 
         if model is None:
@@ -78,13 +93,14 @@ class TPLeader:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE=str(world))
         ctx = mp.get_context("spawn")
         self.followers = [ctx.Process(target=_follower, args=(r, world, port, kind, model, device, dtype,
-                                                              os.getpid()),
+                                                              os.getpid(), max_context),
                                       name=f"mtpchat-tp{r}", daemon=True) for r in range(1, world)]
         try:
             for p in self.followers:
                 p.start()
             self.group = init_group(0, world, kind, timeout_s=DEFAULT_TIMEOUT_S)
-            self.engine = load_engine(model, None if kind == "cpu" else "cuda", dtype, tp=self.group)
+            self.engine = load_engine(model, None if kind == "cpu" else "cuda", dtype, tp=self.group,
+                                      max_context=max_context)
         except BaseException:
             self._kill()
             raise
@@ -115,9 +131,9 @@ class TPLeader:
                 p.terminate()
 
 
-def loader(world: int):
+def loader(world: int, max_context: int | None = None):
     """An app loader (model, device, dtype) -> engine that starts a tensor-parallel session of `world` ranks."""
     def load(model, device, dtype):
-        return TPLeader(model, device, dtype, world)
+        return TPLeader(model, device, dtype, world, max_context)
 
     return load

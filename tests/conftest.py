@@ -24,6 +24,7 @@ EXTRA = {
     "q35_text": ("qwen3_5", {"wrapped": False}),
     "next_sharded_experts": ("qwen3_next", {"moe": True, "shards": True, "per_expert": True, "seed": 3}),
     "next_nomtp": ("qwen3_next", {"mtp": False, "seed": 5}),
+    "q35_think": ("qwen3_5", {"thinking": True, "seed": 11}),  # a thinking template, <think> markers as tokens
 }
 
 

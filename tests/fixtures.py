@@ -23,6 +23,32 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+THINK_MARKERS = ["<think>", "</think>"]  # added tokens, not special (as in Qwen's tokenizers): decoding keeps them
+# Qwen3.5's thinking template in miniature (the released one's logic for these cases): an assistant turn's
+# reasoning is its reasoning_content, or the text up to </think>; earlier turns lose it unless they come after the
+# last user message; the generation
+# prompt opens a reasoning block, or, with enable_thinking=false, renders an empty one.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' %}"
+    "{%- set content = m['content'] %}"
+    "{%- if m['reasoning_content'] is string %}{%- set reasoning = m['reasoning_content'] %}"
+    "{%- elif '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}"
+    "{%- else %}{%- set reasoning = '' %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_user and reasoning %}"
+    "{{- '<|im_start|>assistant\n<think>\n' + reasoning + '\n</think>\n\n' + content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\n' + content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}"
+    "{%- else %}{{- '<think>\n' }}{%- endif %}{%- endif %}"
+)
 TEXT = """The quick brown fox jumps over the lazy dog. A speculative decoder drafts tokens and the target verifies
 them. Gated delta networks keep a recurrent state; attention layers keep keys and values. Hello, how are you today?
 I am fine, thank you. What is the capital of France? Paris is the capital of France. Tell me a story about a cat.
@@ -31,26 +57,31 @@ Once upon a time there was a cat who liked to sleep in the sun. def main(): prin
 VOCAB = 384
 
 
-@lru_cache(maxsize=1)
-def tokenizer_files() -> dict[str, str]:
-    """Train a small byte-level BPE once per process; return file name -> content."""
+@lru_cache(maxsize=2)
+def tokenizer_files(thinking: bool = False) -> dict[str, str]:
+    """Train a small byte-level BPE once per process; return file name -> content. thinking: with Qwen's <think>
+    markers as added (non-special) tokens and a Qwen3.5-style thinking template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS + (THINK_MARKERS if thinking else []),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([TEXT] * 4, trainer)
+    data = json.loads(tok.to_str())
+    for added in data["added_tokens"]:
+        if added["content"] in THINK_MARKERS:
+            added["special"] = False
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "bos_token": None,
-        "chat_template": CHATML,
+        "chat_template": THINKING_TEMPLATE if thinking else CHATML,
         "model_max_length": 4096,
     }
-    return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config)}
+    return {"tokenizer.json": json.dumps(data), "tokenizer_config.json": json.dumps(config)}
 
 
 def special_id(name: str) -> int:
@@ -260,6 +291,7 @@ def write_checkpoint(
     seed: int = 0,
     shards: bool = False,
     per_expert: bool = False,
+    thinking: bool = False,
     **config_over,
 ) -> Path:
     """Write a tiny checkpoint. family: qwen3_next | qwen3_5 | qwen3_5_moe; wrapped defaults to the release layout."""
@@ -282,8 +314,8 @@ def write_checkpoint(
         moe = family == "qwen3_5_moe"
         wrapped = True if wrapped is None else wrapped
         kw = text_kwargs(moe=moe, **config_over)
-        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                                 "mrope_section": [1, 1, 0], "mrope_interleaved": True}
+        kw.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                          "mrope_section": [1, 1, 0], "mrope_interleaved": True})
         text_cls = tf.Qwen3_5MoeTextConfig if moe else tf.Qwen3_5TextConfig
         if wrapped:
             vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
@@ -308,7 +340,7 @@ def write_checkpoint(
         target = conf.get("text_config", conf) if family != "qwen3_next" else conf
         target["num_nextn_predict_layers" if family == "qwen3_next" else "mtp_num_hidden_layers"] = 1
         (path / "config.json").write_text(json.dumps(conf, indent=2))
-    for name, content in tokenizer_files().items():
+    for name, content in tokenizer_files(thinking).items():
         (path / name).write_text(content)
     (path / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": special_id("<|im_end|>"), "pad_token_id": special_id("<|endoftext|>")}))

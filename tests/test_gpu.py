@@ -74,3 +74,40 @@ def test_triton_moe_passes_its_self_check_in_bf16_and_speculation_stays_exact_in
     assert f32.trunk.backends.moe == "rowwise"
     prompt = bf16.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     assert len(tokens(bf16, prompt, 3)) == 32  # runs through the loop, graphs included
+
+
+def test_fused_prefill_attention_matches_the_masked_reference_in_bf16():
+    """Prefill's causal attention on CUDA (the flash kernels, grouped-query heads, no mask) against the explicit
+    boolean mask in float32, at an offset (a follow-up turn's chunk) and from position 0."""
+    import torch.nn.functional as F
+
+    from engine.model import causal_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T, S in ((96, 300), (256, 256), (700, 2048)):
+        q = torch.randn(1, 8, T, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(1, 2, S, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        mask = torch.ones(T, S, dtype=torch.bool, device="cuda").tril(S - T)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+        out = causal_attention(q, k, v, S - T, 128 ** -0.5)
+        assert (out.float() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("words", [30, 150])
+def test_long_and_graph_prefills_equal_the_cpu_in_float32(words, ckpt):
+    """A prompt over several prefill chunks (flash attention at an offset, FLA's chunked kernel) and a short one
+    replayed from a prefill graph (padded, committed to its real rows): greedy texts equal the CPU's, and the
+    MTP depths equal plain."""
+    cpu = load_engine(str(ckpt("next")), device="cpu")
+    graphs = load_engine(str(ckpt("next")), device="cuda", dtype="float32", cuda_graphs=True)
+    text = " ".join(f"cat{i % 17} sun{i % 5}" for i in range(words))
+    prompt = graphs.encode_chat([{"role": "user", "content": f"Summarise: {text}"}])
+    s = lambda depth: GenerationSettings(max_new_tokens=24, depth=depth, ignore_eos=True, reuse=False,
+                                         prefill_chunk=128)
+    run = lambda e, depth: [t for ev in e.generate(prompt, s(depth)) if isinstance(ev, Tokens) for t in ev.token_ids]
+    plain = run(cpu, 0)
+    for depth in (0, 2):
+        assert run(graphs, depth) == plain
+    prefills = graphs.diagnostics()["compile"]["cuda_graphs"]["prefill"]
+    # every 128-token chunk, and the short prompt whole, replayed from a prefill graph
+    assert prefills["failure"] is None and sum(prefills["replays"].values()) >= 2 * -(-len(prompt) // 128)

@@ -61,6 +61,9 @@ class Recording:
     def observe_kept(self, kept):
         self.inner.observe_kept(kept)
 
+    def prime(self, seq, upto):
+        self.inner.prime(seq, upto)
+
     def rollback(self):
         self.inner.rollback()
 

@@ -23,6 +23,7 @@ import time
 import torch
 
 from engine import Engine, random_model, weight_bytes_per_token
+from prefill_ops import timed  # (packaging/bench: the scripts run from their folder)
 
 
 def family_of(name: str) -> str:
@@ -144,15 +145,6 @@ def main(argv=None) -> int:
         # both advance the state in place at a fixed position (random weights: only the time matters)
         def eager():
             return trunk.logits(trunk.forward(tok, caches.processed, caches, verify=False)[0])
-
-        def timed(fn, n):
-            fn()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(n):
-                fn()
-            torch.cuda.synchronize()
-            return (time.perf_counter() - t) / n * 1e3
 
         def replay():
             return runner.decode(tok, caches.processed, caches)

@@ -1,0 +1,80 @@
+"""--depth auto: the chooser as a pure decision on acceptance and cost, and auto decoding lossless."""
+
+import pytest
+
+from engine import AUTO, DecodeControl, GenerationSettings
+from engine.autodepth import PROBE_EVERY, DepthChooser, best_depth, expected_tokens
+from engine.events import Cycle, Tokens
+from test_exactness import FAMILIES, assert_mtp_drafts_accepted_and_rejected, decode
+
+
+def test_expected_tokens_counts_the_accepted_prefix():
+    assert expected_tokens([0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5], 2) == 1.0 + 0.5 + 0.25
+    assert expected_tokens([1.0] * 4, 4) == 5.0
+
+
+def test_best_depth_maximises_expected_tokens_per_second():
+    flat = [1.0, 1.1, 1.2, 1.3, 1.4]  # cheap drafts, verify widths nearly free
+    assert best_depth([0.95] * 4, flat) == 4  # easy text: draft deep
+    assert best_depth([0.0] * 4, flat) == 0  # nothing accepted: plain decoding
+    assert best_depth([0.9, 0.05, 0.0, 0.0], flat) == 1  # only the first position pays
+    assert best_depth([0.9] * 4, [1.0, 3.0, 5.0, 7.0, 9.0]) == 0  # drafting dearer than what it saves
+    # a realistic profile: whichever depth has the highest expected rate
+    real = [0.92, 0.84, 0.65, 0.54]
+    rates = [expected_tokens(real, k) / c for k, c in enumerate(flat)]
+    assert best_depth(real, flat) == max(range(5), key=rates.__getitem__)
+
+
+def test_the_chooser_falls_to_plain_decoding_and_recovers():
+    c = DepthChooser(4)
+    for _ in range(6):  # cycles whose drafts are all rejected
+        c.observe(c.pick(), [False] * 4, 10.0)
+    for _ in range(20):
+        depth = c.pick()
+        c.observe(depth, [False] * depth, 10.0 + depth)
+    assert c.pick() == 0 or "probing" in c.why
+    picks = []
+    for _ in range(4 * PROBE_EVERY):  # the text turns predictable: the probes see it, the depth comes back
+        depth = c.pick()
+        picks.append(depth)
+        c.observe(depth, [True] * depth, 10.0 + depth)
+    assert picks[-1] >= 2 and 0 in picks
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_auto_is_lossless(name, engines):
+    engine = engines(name)
+    prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    plain, _, _ = decode(engine, prompt, depth=0)
+    tokens, _, fin = decode(engine, prompt, depth=AUTO)
+    assert tokens == plain
+    assert fin.stats["depth"] == AUTO and sum(fin.stats["auto_depths"].values()) == fin.stats["cycles"]
+    assert_mtp_drafts_accepted_and_rejected(fin)
+
+
+def test_switching_between_auto_and_a_fixed_depth_mid_reply_is_exact(engines):
+    engine = engines("next")
+    prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=40)
+    control = DecodeControl(AUTO)
+    tokens, whys, depths = [], [], []
+    schedule = {3: 2, 6: AUTO, 9: 0, 12: AUTO}
+    for ev in engine.generate(prompt, GenerationSettings(max_new_tokens=40, depth=AUTO, ignore_eos=True), control):
+        if isinstance(ev, Cycle):
+            depths.append(control.depth)
+            whys.append(ev.why)
+            control.depth = schedule.get(ev.index, control.depth)
+        elif isinstance(ev, Tokens):
+            tokens += ev.token_ids
+    assert tokens == plain
+    assert {AUTO, 2, 0} <= set(depths)
+    assert all(w.startswith("expected tok/s") for w, d in zip(whys, depths) if d == AUTO)
+
+
+def test_a_bad_depth_is_refused(engines):
+    from engine import EngineError
+
+    engine = engines("next")
+    with pytest.raises(EngineError, match="or auto"):
+        list(engine.generate([1, 2, 3], GenerationSettings(depth="deep")))
