@@ -33,9 +33,13 @@ import argparse  # noqa: E402
 import importlib  # noqa: E402
 import math  # noqa: E402
 
-from engine import MAX_DEPTH, MAX_NEW_TOKENS, SEED_MAX, SEED_MIN, EngineError  # noqa: E402  # light: no torch yet
+from engine import (AUTO, MAX_DEPTH, MAX_NEW_TOKENS, MIN_CONTEXT, SEED_MAX, SEED_MIN,  # noqa: E402  # light: no torch yet
+                    EngineError)
 
+from . import paths  # noqa: E402
 from .safe_text import first_line  # noqa: E402
+
+from . import cmd_pull  # noqa: E402,F401  # before the default below: pull keeps the user's own HF_HUB_OFFLINE
 
 # Nothing touches the network at run time; keep library chatter off the terminal.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,7 +48,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 PROG = "mtpchat"
-COMMANDS = {"run": "cmd_run", "bench": "cmd_bench", "models": "cmd_models", "doctor": "cmd_doctor"}
+COMMANDS = {"run": "cmd_run", "bench": "cmd_bench", "pull": "cmd_pull", "models": "cmd_models",
+            "doctor": "cmd_doctor"}
 
 
 # --- one line on stderr -------------------------------------------------------------------------------------
@@ -176,11 +181,19 @@ def float_in(lo: float, hi: float | None = None, lo_open: bool = False):
 
 
 tp_size = int_in(1, None)
-depth = int_in(0, MAX_DEPTH)
+fixed_depth = int_in(0, MAX_DEPTH)
+
+
+def depth(text: str):
+    """--depth: 0 .. MAX_DEPTH, or auto (the engine picks each cycle's depth)."""
+    return AUTO if text.strip().lower() == AUTO else fixed_depth(text)
+
+
 seed = int_in(SEED_MIN, SEED_MAX, "between -2**63 and 2**64 - 1 (the seeds torch accepts)")
 temperature = float_in(0.0)
 top_p = float_in(0.0, 1.0, lo_open=True)
 top_k = int_in(0, None)
+max_context = int_in(MIN_CONTEXT, None)
 
 
 def max_new_tokens(lo: int = 1):
@@ -188,7 +201,7 @@ def max_new_tokens(lo: int = 1):
 
 
 def depth_list(text: str) -> list[int]:
-    """--depths: comma-separated depths, each 0 .. MAX_DEPTH."""
+    """--depths: comma-separated depths, each 0 .. MAX_DEPTH or auto."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
         raise argparse.ArgumentTypeError("expected comma-separated depths, e.g. 0,1,2")
@@ -210,6 +223,14 @@ def check_utf8(text: str, error=EngineError, where: str = "") -> str:
     return text
 
 
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated whole numbers, each at least 1, duplicates dropped (order kept): bench's --prompt-tokens."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("expected comma-separated whole numbers, e.g. 200,2048")
+    return list(dict.fromkeys(int_in(1, None)(p) for p in parts))
+
+
 # --- the parser -----------------------------------------------------------------------------------------------
 
 
@@ -227,6 +248,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder (Hugging Face layout); default: the best model found")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--max-context", type=max_context, metavar="N",
+                   help=f"cap the context at N tokens (at least {MIN_CONTEXT}; default: the model's "
+                        f"max_position_embeddings): the KV cache, and so memory, stays within N positions")
     p.add_argument("--compile", action="store_true",
                    help="CUDA: torch.compile each layer kind inside the CUDA graphs (faster steps; the first reply "
                         "at each new depth waits for compilation). Also MTPCHAT_COMPILE=1")
@@ -253,6 +277,13 @@ def check_tp_args(args, preset: str | None = None, layers: int | None = None) ->
     check_tp(tp, getattr(args, "device", None), getattr(args, "model", None), preset, layers)
 
 
+def add_think_arg(p: argparse.ArgumentParser) -> None:
+    """--think / --no-think: a thinking model's enable_thinking (unset: what its chat template does)."""
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                   help="a thinking model reasons before it answers (--no-think: it answers at once); default: "
+                        "what its chat template does; no effect on a model whose template has no such switch")
+
+
 def add_tp_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=tp_size, default=1, metavar="N",
                    help="tensor parallelism: shard the model over N worker processes (one GPU each on CUDA, "
@@ -261,7 +292,7 @@ def add_tp_arg(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     modules = {}
-    for name in ("cmd_run", "cmd_bench", "cmd_models", "cmd_doctor"):
+    for name in COMMANDS.values():
         try:
             modules[name] = importlib.import_module(f"app.{name}")
         except Exception as e:  # ImportError, SyntaxError, ...: the module is broken, say which
@@ -272,9 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=ArgumentParser)
     chat = sub.add_parser("chat", help="open the terminal chat (the default)")
     add_model_args(chat)
-    chat.add_argument("--depth", type=depth, help=f"speculation depth, 0 .. {MAX_DEPTH} (0 = plain decoding)")
+    chat.add_argument("--depth", type=depth, help=f"speculation depth, 0 .. {MAX_DEPTH} (0 = plain decoding), or auto")
+    add_think_arg(chat)
     add_tp_arg(chat)
-    for name in ("cmd_run", "cmd_bench", "cmd_models", "cmd_doctor"):
+    for name in COMMANDS.values():
         modules[name].add_parser(sub)
     return parser
 
@@ -376,6 +408,7 @@ def _output_failed(e: OutputError | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    paths.use_kernel_cache()  # before anything imports torch (the commands' modules and the engine import it late)
     argv = sys.argv[1:] if argv is None else list(argv)
     if sys.stdout is None:  # started with stdout closed (`>&-`): a later open() could even take its place
         raise OutputError("standard output is closed")
@@ -390,7 +423,8 @@ def _main(argv: list[str] | None) -> int:
 
         _interrupts_raise()  # the UI must restore the terminal: from here on ctrl+c is a KeyboardInterrupt
         return run_tui(getattr(args, "model", None), getattr(args, "depth", None),
-                       getattr(args, "device", None), getattr(args, "dtype", None), tp=getattr(args, "tp", 1))
+                       getattr(args, "device", None), getattr(args, "dtype", None), tp=getattr(args, "tp", 1),
+                       max_context=getattr(args, "max_context", None), think=getattr(args, "think", None))
     return importlib.import_module(f"app.{COMMANDS[args.command]}").run(args)
 
 

@@ -1,7 +1,9 @@
 """`mtpchat bench`: plain vs speculative decoding, MTP and oracle drafters, and transformers generate(), in one run.
 
 Every row decodes the same prompt for the same number of tokens (EOS ignored), after a warm-up, and reports the
-median of --repeat runs. Compare ratios within one run, not numbers across machines.
+median of --repeat runs, each from an empty state (its prefill included). With --prompt-tokens N,N2,... every row
+is measured at each prompt length, with prefill tok/s, time to first token and peak memory beside the decode
+numbers. Compare ratios within one run, not numbers across machines.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ REPEAT_MAX = 1000
 
 
 def add_parser(sub) -> None:
-    from .cli import (MAX_DEPTH, add_model_args, add_tp_arg, depth_list, int_in, max_new_tokens, temperature,
-                      top_k, top_p, utf8_text)
+    from .cli import (MAX_DEPTH, add_model_args, add_tp_arg, depth_list, int_in, max_new_tokens,
+                      positive_int_list, temperature, top_k, top_p, utf8_text)
 
     p = sub.add_parser("bench", help="measure decoding speed: plain vs speculative vs transformers")
     add_model_args(p)
@@ -41,8 +43,16 @@ def add_parser(sub) -> None:
                    help=f"comma-separated speculation depths, each 0 .. {MAX_DEPTH} (default 0,1,2,3,4)")
     p.add_argument("--drafter", default="mtp,oracle", help="mtp, oracle or both (comma-separated)")
     p.add_argument("--acceptance", default="1.0,0.5,0", help="oracle acceptance rates (comma-separated)")
+    p.add_argument("--acceptance-profile", metavar="P1,P2,..|changing",
+                   help="also an oracle drafting as real MTP heads do: draft position i accepted with probability "
+                        "Pi given position i-1 was (e.g. 0.92,0.84,0.65,0.54); 'changing': an easy profile for "
+                        f"the first half of the reply, a hard one after ({CHANGING})")
     p.add_argument("--max-new-tokens", type=max_new_tokens(2), default=128)
     p.add_argument("--prompt", type=utf8_text, default="Write a short story about a lighthouse keeper.")
+    p.add_argument("--prompt-tokens", type=positive_int_list, metavar="N[,N...]",
+                   help="instead of --prompt: prompts of exactly N tokens, every row at each length (random "
+                        "weights: synthetic ids; a model: a long text it is asked to summarise). Adds prefill "
+                        "tok/s, time to first token and peak memory per length")
     p.add_argument("--repeat", type=int_in(1, REPEAT_MAX), default=3)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate() baseline")
     p.add_argument("--no-graphs", action="store_true", help="eager verify steps only (no CUDA graphs)")
@@ -57,6 +67,25 @@ def add_parser(sub) -> None:
                    help="instead of speed: speculative vs plain greedy agreement in float32 and bfloat16 over a "
                         "prompt set (share identical, first divergence position)")
     add_tp_arg(p)
+
+
+EASY, HARD = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.0]
+CHANGING = f"{','.join(map(str, EASY))} then {','.join(map(str, HARD))}"
+
+
+def acceptance_profile(args, n: int):
+    """(label, OracleDrafter keyword arguments) of --acceptance-profile, or None. n: the reply's length."""
+    text = args.acceptance_profile
+    if not text:
+        return None
+    if text.strip() == "changing":
+        return "oracle@changing", {"profile": EASY, "later": (n // 2, HARD)}
+    values = _floats(text, "--acceptance-profile")
+    if not values:
+        from engine import EngineError
+
+        raise EngineError(f"--acceptance-profile {text!r}: expected comma-separated rates or 'changing'")
+    return f"oracle@{'/'.join(f'{v:g}' for v in values)}", {"profile": values}
 
 
 def _floats(text: str, flag: str) -> list[float]:
@@ -77,12 +106,20 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
+ONCE_PER_REQUEST = ("prefill", "priming")  # phases that do not recur each cycle: reported whole, not per cycle
+
+
 def measure(engine: Engine, prompt, depth: int, n: int, repeat: int, make_drafter=None, sampling=None) -> dict:
+    """One row: `repeat` warm runs (after a warm-up run), each a request from scratch (no state reused from the
+    run before: its prefill is measured too). Speeds, prefill and time to first token are the runs' medians."""
     from engine import Finished, GenerationSettings, Tokens
 
+    dev = engine.trunk.device
+    memory_before = start_peak_memory(dev)
     runs = []
     for i in range(repeat + 1):  # the first run warms up (allocations, autotuning)
-        settings = GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True, **(sampling or {}), seed=i)
+        settings = GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True, **(sampling or {}), seed=i,
+                                      reuse=False)
         drafter = make_drafter() if make_drafter else None
         tokens, fin = [], None
         for ev in engine.generate(prompt, settings, drafter=drafter):
@@ -93,14 +130,124 @@ def measure(engine: Engine, prompt, depth: int, n: int, repeat: int, make_drafte
         if i:
             runs.append((fin.stats, tokens))
     stats = [s for s, _ in runs]
-    best = statistics.median(s["tokens_per_s"] for s in stats)
     last = stats[-1]
-    return {"tokens_per_s": best, "acceptance_rate": last["acceptance_rate"],
+    prefill_ms = statistics.median(s["phase_ms"].get("prefill", 0.0) for s in stats)
+    return {"prompt_tokens": len(prompt), "tokens_per_s": statistics.median(s["tokens_per_s"] for s in stats),
+            "acceptance_rate": last["acceptance_rate"],
             "mean_accepted_length": last["mean_accepted_length"],
             "per_position_acceptance": last["per_position_acceptance"],
-            "phase_ms": {k: v / max(last["cycles"], 1) for k, v in last["phase_ms"].items()},
-            "phase_ms_total": last["phase_ms"], "cycles": last["cycles"], "ttft_ms": last["ttft_ms"],
-            "tokens": runs[-1][1]}
+            "phase_ms": {k: v / max(last["cycles"], 1) for k, v in last["phase_ms"].items()
+                         if k not in ONCE_PER_REQUEST},
+            "phase_ms_total": last["phase_ms"], "cycles": last["cycles"],
+            "prefilled_tokens": last["prefilled_tokens"], "prefill_ms": prefill_ms,
+            "prefill_tokens_per_s": last["prefilled_tokens"] / (prefill_ms / 1e3) if prefill_ms else None,
+            "ttft_ms": statistics.median(s["ttft_ms"] for s in stats),
+            # the MTP head over the whole prompt, once per request: its attention cost at this context
+            "priming_ms": last["phase_ms"].get("priming"),
+            **peak_memory(dev, memory_before), "tokens": runs[-1][1]}
+
+
+def start_peak_memory(dev) -> int:
+    """Before a row: CUDA's peak counter is reset; on the CPU the process's peak RSS so far is noted (the kernel's
+    high-water mark cannot be reset)."""
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        return 0
+    return _max_rss_bytes()
+
+
+def peak_memory(dev, before: int) -> dict:
+    """After a row: on CUDA the most memory torch allocated during it; on the CPU the process's peak RSS and how
+    far this row raised it (0 when it stayed under an earlier row's peak)."""
+    import torch
+
+    if dev.type == "cuda":
+        return {"peak_memory_bytes": torch.cuda.max_memory_allocated(dev), "peak_memory_of": "cuda max allocated"}
+    peak = _max_rss_bytes()
+    return {"peak_memory_bytes": peak, "peak_memory_of": "process max rss", "peak_rss_growth_bytes": peak - before}
+
+
+def _max_rss_bytes() -> int:
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # (bytes on macOS, kilobytes on Linux)
+
+
+DEFAULT_SYNTHETIC_TOKENS = 32
+SUMMARISE = "Summarise the following text in a few sentences.\n\n"
+
+
+def synthetic_ids(n: int, vocab: int) -> list[int]:
+    """n prompt ids for random weights: 1, 2, 3, ... wrapping inside the vocabulary (0 left out: a pad id)."""
+    return [1 + i % (vocab - 1) for i in range(n)]
+
+
+def template_tail(engine: Engine) -> int:
+    """How many tokens the chat template puts after a user message's content (end of turn, the assistant's
+    start): the common suffix of two one-message chats."""
+    a, b = (engine.encode_chat([{"role": "user", "content": c}]) for c in ("1", "2"))
+    tail = 0
+    while tail < min(len(a), len(b)) and a[-1 - tail] == b[-1 - tail]:
+        tail += 1
+    return tail
+
+
+def long_text_prompt(engine: Engine, n: int) -> tuple[list[int], int]:
+    """(exactly n ids, copies of the text used): the chat template around a user message asking to summarise
+    app/bench_text.py's prose, repeated as often as n needs, cut inside the text so that the template's ending
+    stays (the model answers, as it would after a long paste)."""
+    from .bench_text import TEXT
+
+    tail = template_tail(engine)
+    copies = max(1, -(-n // len(engine.encode_raw(TEXT))))
+    while True:
+        ids = engine.encode_chat([{"role": "user", "content": SUMMARISE + "\n\n".join([TEXT] * copies)}])
+        if len(ids) >= n:
+            break
+        copies += 1
+    keep = max(n - tail, 0)
+    return ids[:keep] + ids[len(ids) - (n - keep):], copies
+
+
+def context_limit(engine: Engine) -> int | None:
+    """The most positions a request may use: the engine's own limit (the model's, capped by --max-context) where
+    it has one, else the config's max_position_embeddings; None when neither says."""
+    limit = getattr(engine, "context_limit", None)
+    if not isinstance(limit, int):
+        limit = getattr(engine.trunk.config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_prompt_lengths(lengths: list[int], n: int, limit: int | None) -> None:
+    """Every --prompt-tokens length plus --max-new-tokens fits the model's context, before anything is measured."""
+    from engine import EngineError
+
+    too_long = [x for x in lengths if limit is not None and x + n > limit]
+    if too_long:
+        raise EngineError(f"--prompt-tokens {too_long[0]}: with --max-new-tokens {n} it exceeds the context of "
+                          f"{limit} tokens (at most {max(limit - n, 0)} prompt tokens here)")
+
+
+def bench_prompts(engine: Engine, args) -> list[tuple[list[int], dict]]:
+    """The prompts every row is measured on, each with what it is (for the JSON): --prompt (a model) or 32
+    synthetic ids (random weights), or one per --prompt-tokens length."""
+    vocab = engine.trunk.config.vocab_size
+    if not args.prompt_tokens:
+        if args.random_weights:
+            return [(synthetic_ids(DEFAULT_SYNTHETIC_TOKENS, vocab), {"source": "synthetic ids"})]
+        return [(engine.encode_chat([{"role": "user", "content": args.prompt}]), {"source": "--prompt"})]
+    check_prompt_lengths(args.prompt_tokens, args.max_new_tokens, context_limit(engine))
+    if args.random_weights:
+        return [(synthetic_ids(n, vocab), {"source": "synthetic ids", "tokens": n}) for n in args.prompt_tokens]
+    prompts = []
+    for n in args.prompt_tokens:
+        ids, copies = long_text_prompt(engine, n)
+        prompts.append((ids, {"source": "app/bench_text.py, asked to summarise through the chat template",
+                              "tokens": n, "text_copies": copies}))
+    return prompts
 
 
 def collective_share(engine: Engine, prompt, n: int) -> dict:
@@ -194,7 +341,7 @@ def precision_report(args) -> int:
     several tokens round differently from one-token steps, and this measures how often that changes the text."""
     from engine import Engine, GenerationSettings, OracleDrafter, Tokens, load_engine, random_model
 
-    depth = max(args.depths)
+    depth = max(spec_depths(args.depths, expand=True) or [0])
 
     def decode(engine, prompt, d, drafter=None):
         s = GenerationSettings(max_new_tokens=args.max_new_tokens, depth=d, ignore_eos=True, reuse=False)
@@ -286,11 +433,12 @@ def emit(result: dict, args, text: str) -> int:
 
 def _bench_rank(args, group) -> int:
     """One rank of `bench --tp N`: the same rows as rank 0, on its shard."""
-    return _bench(args, _engine(args, group), group)
+    return _bench(args, group)
 
 
 def _engine_flags(args) -> dict:
-    return {"cuda_graphs": False if args.no_graphs else None, "compile": args.compile or None}
+    return {"cuda_graphs": False if args.no_graphs else None, "compile": args.compile or None,
+            "max_context": getattr(args, "max_context", None)}
 
 
 def _engine(args, group=None) -> Engine:
@@ -306,6 +454,16 @@ def _engine(args, group=None) -> Engine:
                   **flags)
 
 
+def spec_depths(depths: list, expand: bool = False) -> list:
+    """The speculative entries of --depths (auto included); expand: auto as the depths it may pick."""
+    from engine import AUTO, AUTO_MAX_DEPTH
+
+    out = [d for d in depths if d == AUTO or d > 0]
+    if expand and AUTO in out:
+        out = sorted({d for d in out if d != AUTO} | set(range(1, AUTO_MAX_DEPTH + 1)))
+    return out
+
+
 def _drafters(args) -> list[str]:
     return [d.strip() for d in args.drafter.split(",") if d.strip()]
 
@@ -317,6 +475,7 @@ def _check_args(args) -> None:
     from .cli import check_model_folder
 
     _floats(args.acceptance, "--acceptance")
+    acceptance_profile(args, args.max_new_tokens)
     if any(d not in ("mtp", "oracle") for d in _drafters(args)):
         raise EngineError(f"--drafter {args.drafter!r}: expected mtp, oracle or both")
     if args.model and args.random_weights:
@@ -324,38 +483,49 @@ def _check_args(args) -> None:
     if args.random_weights and args.random_weights not in PRESETS:
         raise EngineError(f"--random-weights {args.random_weights!r}: presets are {', '.join(PRESETS)}")
     check_model_folder(args)
+    if args.random_weights and args.prompt_tokens:  # a preset's context is known before its (slow) build
+        limits = [x for x in (PRESETS[args.random_weights][1].get("max_position_embeddings"),
+                              getattr(args, "max_context", None)) if x]
+        check_prompt_lengths(args.prompt_tokens, args.max_new_tokens, min(limits, default=None))
     check_out(args.out)
 
 
-def _bench(args, engine: Engine | None = None, group=None) -> int:
+def load_to_ready(args, group=None) -> tuple[Engine, dict]:
+    """The engine, and what a chat waits for before its first reply: the load, then on CUDA the warm-up (kernel
+    compilation and autotuning, the CUDA graphs of --depths) that the chat runs at load. Under --tp every rank
+    warms up (each runs the same steps: their collectives match)."""
+    t0 = time.perf_counter()
+    engine = _engine(args, group)
+    ready = {"load_s": time.perf_counter() - t0, "warm_up_s": None}
+    if engine.trunk.device.type == "cuda":
+        ready["warm_up_s"] = engine.warm_up(depths=[0, *spec_depths(args.depths, expand=True)])["seconds"]
+    return engine, ready
+
+
+def ready_line(res: dict) -> str:
+    load, warm = res["load_s"], res["warm_up_s"]
+    if warm is None:
+        return f"load {load:.1f} s (no warm-up on the CPU)"
+    return f"load {load:.1f} s, warm-up {warm:.1f} s (kernels, CUDA graphs): ready in {load + warm:.1f} s"
+
+
+def _bench(args, group=None) -> int:
     import torch
 
-    from engine import OracleDrafter, nvidia_driver, versions, weight_bytes_per_token
+    from engine import nvidia_driver, versions, weight_bytes_per_token
 
     from .cli import print_line
 
-    depths = args.depths
-    rates = _floats(args.acceptance, "--acceptance")
-    drafters = _drafters(args)  # checked by _check_args
-    engine = engine or _engine(args)
-    prompt = (list(range(1, 33)) if args.random_weights
-              else engine.encode_chat([{"role": "user", "content": args.prompt}]))
+    engine, ready = load_to_ready(args, group)
+    prompts = bench_prompts(engine, args)
     n, trunk = args.max_new_tokens, engine.trunk
-    if "mtp" in drafters and engine.mtp_drafter is None and (group is None or group.rank == 0):
+    if "mtp" in _drafters(args) and engine.mtp_drafter is None and (group is None or group.rank == 0):
         print_line(f"{engine.info.name} has no usable MTP head: no mtp rows")
-    # sampled rows use seed = run index: every depth samples with the same seeds (texts differ across depths:
-    # the random stream is consumed per cycle; the distribution does not)
-    sampling = ({"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
-                if args.temperature > 0 else None)
-    vocab = trunk.config.vocab_size
-
-    runner = engine.graph_runner
-    compiled = runner is not None and trunk.compiled_block is not None
-    mode = ("graphs+compile" if compiled else "graphs") if runner else "eager"
     rows = []
     lead = group is None or group.rank == 0
     head = {"model": engine.info.path, "params": engine.info.params, "device": str(trunk.device),
-            "dtype": engine.info.dtype, "max_new_tokens": n, "repeat": args.repeat, "command": command_line(args)}
+            "dtype": engine.info.dtype, "max_new_tokens": n, "repeat": args.repeat,
+            "prompts": [about for _, about in prompts], **ready, "command": command_line(args)}
 
     def add(row: dict) -> None:
         """A measured row: --out is rewritten with every row so far (a failure later keeps them)."""
@@ -364,49 +534,22 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
             write_json(args.out, {**head, "complete": False,
                                   "results": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]})
 
-    if runner:  # the same plain decode without graph replay (and without compilation): what each buys
-        trunk.graphs = None
-        eager = measure(engine, prompt, 0, n, args.repeat, sampling=sampling)
-        add({"depth": 0, "drafter": "none", "mode": "eager", **eager})
-        trunk.graphs = runner
-        if compiled:
-            block, trunk.compiled_block = trunk.compiled_block, None
-            runner.reset()
-            add({"depth": 0, "drafter": "none", "mode": "graphs",
-                 **measure(engine, prompt, 0, n, args.repeat, sampling=sampling)})
-            trunk.compiled_block = block
-            runner.reset()
-    plain = measure(engine, prompt, 0, n, args.repeat, sampling=sampling)
-    reference = plain["tokens"]
-    add({"depth": 0, "drafter": "none", "mode": mode, **plain})
-    for depth in [d for d in depths if d > 0]:
-        if "mtp" in drafters and engine.mtp_drafter is not None:
-            add({"depth": depth, "drafter": "mtp", "mode": mode,
-                 **measure(engine, prompt, depth, n, args.repeat, sampling=sampling)})
-        if "oracle" in drafters:
-            for rate in rates:
-                make = lambda: OracleDrafter(reference, len(prompt), 1.0 - rate, vocab, seed=depth)  # noqa: E731
-                row = measure(engine, prompt, depth, n, args.repeat, make, sampling)
-                add({"depth": depth, "drafter": f"oracle@{rate:g}", "mode": mode, **row})
-    for r in rows:
-        same = r.pop("tokens") == reference
-        r["identical_to_plain"] = same if sampling is None else None  # sampled texts differ by design
-        r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
-        r["commit_refresh_share"] = commit_refresh_share(r)
+    plains = [prompt_rows(engine, args, prompt, add, with_modes=i == 0) for i, (prompt, _) in enumerate(prompts)]
+    plain, first = plains[0], prompts[0][0]  # the first prompt's plain row: what the baselines below compare with
 
     # transformers' generate() cannot run one shard of a tensor-parallel model: no baseline under --tp
-    hf_runs = [] if args.no_hf or group is not None else hf_generate(engine, prompt, n, args.repeat)
+    hf_runs = [] if args.no_hf or group is not None else hf_generate(engine, first, n, args.repeat)
     hf = statistics.median(hf_runs) if hf_runs else None
     wbytes = weight_bytes_per_token(trunk)
     gpu = torch.cuda.get_device_name(trunk.device) if trunk.device.type == "cuda" else None
     peak = next((v for k, v in HBM_PEAK.items() if gpu and k in gpu), None)
     bw = wbytes * plain["tokens_per_s"]
     result = {
-        "model": engine.info.path, "params": engine.info.params, "device": str(trunk.device), "gpu": gpu,
-        "dtype": engine.info.dtype, "max_new_tokens": n, "repeat": args.repeat, "complete": True,
+        **head, "gpu": gpu, "complete": True,
         "results": rows,
         "hf_generate_tokens_per_s": hf,
         "hf_generate_runs_tokens_per_s": hf_runs,
+        "hf_generate_prompt_tokens": len(first) if hf_runs else None,
         "plain_vs_hf": plain["tokens_per_s"] / hf if hf else None,
         "weight_bytes_per_token": wbytes,
         "plain_bandwidth_bytes_per_s": bw,
@@ -414,34 +557,95 @@ def _bench(args, engine: Engine | None = None, group=None) -> int:
         "plain_fraction_of_hbm_peak": bw / peak if peak else None,
         "backends": {op: b for op, (b, _) in trunk.backends.choice.items()},
         "cuda_graphs": engine.graph_runner.report() if engine.graph_runner else None,
-        "command": command_line(args),
     }
     result["versions"] = {**versions(), "nvidia_driver": nvidia_driver()}
     if group is not None:  # params, weight bytes and bandwidth above are per rank (rank 0's shard)
         result["tensor_parallel"] = {**group.describe(), "shard": group.plan.describe()}
         if trunk.device.type == "cuda":
-            result["tensor_parallel"]["profile"] = collective_share(engine, prompt, min(n, 32))
+            result["tensor_parallel"]["profile"] = collective_share(engine, first, min(n, 32))
         if group.rank != 0:
             return 0
     return emit(result, args, format_table(result))
 
 
+def prompt_rows(engine: Engine, args, prompt: list[int], add, with_modes: bool) -> dict:
+    """Every row of one prompt, each passed to add(): plain, then each depth with each drafter; with_modes
+    (the first prompt only: what graphs and compilation buy does not depend on the prompt's length) also the
+    plain decode without graph replay and without compilation. Returns the plain row."""
+    from engine import OracleDrafter
+
+    n, trunk, runner = args.max_new_tokens, engine.trunk, engine.graph_runner
+    rates, drafters = _floats(args.acceptance, "--acceptance"), _drafters(args)  # checked by _check_args
+    # sampled rows use seed = run index: every depth samples with the same seeds (texts differ across depths:
+    # the random stream is consumed per cycle; the distribution does not)
+    sampling = ({"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+                if args.temperature > 0 else None)
+    compiled = runner is not None and trunk.compiled_block is not None
+    mode = ("graphs+compile" if compiled else "graphs") if runner else "eager"
+    rows = []
+
+    def row(depth: int, drafter: str, mode: str, measured: dict) -> None:
+        rows.append({"depth": depth, "drafter": drafter, "mode": mode, **measured})
+        add(rows[-1])
+
+    if runner and with_modes:  # the same plain decode without graph replay (and without compilation)
+        trunk.graphs = None
+        row(0, "none", "eager", measure(engine, prompt, 0, n, args.repeat, sampling=sampling))
+        trunk.graphs = runner
+        if compiled:
+            block, trunk.compiled_block = trunk.compiled_block, None
+            runner.reset()
+            row(0, "none", "graphs", measure(engine, prompt, 0, n, args.repeat, sampling=sampling))
+            trunk.compiled_block = block
+            runner.reset()
+    plain = measure(engine, prompt, 0, n, args.repeat, sampling=sampling)
+    reference = plain["tokens"]
+    row(0, "none", mode, plain)
+    profile = acceptance_profile(args, n)
+    for depth in spec_depths(args.depths):
+        if "mtp" in drafters and engine.mtp_drafter is not None:
+            row(depth, "mtp", mode, measure(engine, prompt, depth, n, args.repeat, sampling=sampling))
+        if "oracle" in drafters:
+            for rate in rates:
+                make = lambda: OracleDrafter(reference, len(prompt), 1.0 - rate, trunk.config.vocab_size,  # noqa: E731
+                                             seed=depth)
+                row(depth, f"oracle@{rate:g}", mode, measure(engine, prompt, depth, n, args.repeat, make, sampling))
+            if profile is not None:
+                make = lambda: OracleDrafter(reference, len(prompt), 0.0, trunk.config.vocab_size, seed=depth,  # noqa: E731
+                                             **profile[1])
+                row(depth, profile[0], mode, measure(engine, prompt, depth, n, args.repeat, make, sampling))
+    for r in rows:
+        same = r.pop("tokens") == reference
+        r["identical_to_plain"] = same if sampling is None else None  # sampled texts differ by design
+        r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
+        r["commit_refresh_share"] = commit_refresh_share(r)
+    return plain
+
+
 def format_table(res: dict) -> str:
+    rows = res["results"]
+    memory = rows[0]["peak_memory_of"] if rows else ""
     lines = [f"model {res['model']}  device {res['device']} {res['gpu'] or ''}  dtype {res['dtype']}  "
-             f"{res['max_new_tokens']} tokens x {res['repeat']}",
-             f"{'depth':>5} {'drafter':<12} {'mode':<6} {'tok/s':>9} {'speedup':>8} {'accept':>7} {'mean len':>8} "
-             f"{'same':>5}  per-position acceptance / ms per cycle"]
-    for r in res["results"]:
+             f"{res['max_new_tokens']} tokens x {res['repeat']}  peak MB: {memory}",
+             f"{'prompt':>7} {'depth':>5} {'drafter':<12} {'mode':<6} {'prefill/s':>9} {'TTFT ms':>8} {'tok/s':>9} "
+             f"{'speedup':>8} {'accept':>7} {'mean len':>8} {'same':>5} {'peak MB':>8}  "
+             f"per-position acceptance / ms per cycle / MTP head's priming"]
+    lines.insert(1, ready_line(res))
+    for r in rows:
         pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
         ph = " ".join(f"{k}={v:.2f}" for k, v in sorted(r["phase_ms"].items()))
         if r.get("commit_refresh_share") is not None:
             ph += f"  commit+refresh {100 * r['commit_refresh_share']:.0f}% of the cycle"
-        lines.append(f"{r['depth']:>5} {r['drafter']:<12} {r.get('mode', ''):<6} {r['tokens_per_s']:>9.1f} {r['speedup'] or 0:>7.2f}x "
-                     f"{r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f} "
-                     f"{ {True: 'yes', False: 'NO', None: '-'}[r['identical_to_plain']]:>5}  [{pos}] {ph}")
+        if r.get("priming_ms"):
+            ph += f"  priming {r['priming_ms']:.1f} ms"
+        lines.append(f"{r['prompt_tokens']:>7} {r['depth']:>5} {r['drafter']:<12} {r.get('mode', ''):<6} "
+                     f"{r['prefill_tokens_per_s'] or 0:>9.0f} {r['ttft_ms']:>8.1f} {r['tokens_per_s']:>9.1f} "
+                     f"{r['speedup'] or 0:>7.2f}x {r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f} "
+                     f"{ {True: 'yes', False: 'NO', None: '-'}[r['identical_to_plain']]:>5} "
+                     f"{r['peak_memory_bytes'] / 2**20:>8.0f}  [{pos}] {ph}")
     if res["hf_generate_tokens_per_s"]:
-        lines.append(f"transformers generate(): {res['hf_generate_tokens_per_s']:.1f} tok/s "
-                     f"(plain engine {res['plain_vs_hf']:.2f}x)")
+        lines.append(f"transformers generate(): {res['hf_generate_tokens_per_s']:.1f} tok/s on the "
+                     f"{res['hf_generate_prompt_tokens']}-token prompt (plain engine {res['plain_vs_hf']:.2f}x)")
     prof = (res.get("tensor_parallel") or {}).get("profile")
     if prof:
         lines.append(f"tensor parallel x{res['tensor_parallel']['world']}: {prof['collective_ms_per_token']:.2f} of "

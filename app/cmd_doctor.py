@@ -111,7 +111,7 @@ def terminal_safe_report(value):
 
 
 def render(r: dict) -> str:
-    from engine import format_bytes, format_params
+    from engine import fit_text, format_bytes, format_params
 
     r = terminal_safe_report(r)
     out: list[str] = []
@@ -146,7 +146,8 @@ def render(r: dict) -> str:
         mtp = f"MTP x{m['mtp_layers']}" if m["mtp_layers"] else "no MTP"
         out.append(f"  {mark} {m['name']} [{m['source']}] {m['family'] or '?'}, {format_params(m['params'])} "
                    f"params, {mtp}, needs {format_bytes(m['mem_bytes'])}, "
-                   f"{'fits' if m['fits_device'] else 'does not fit'}; {status}")
+                   f"{'fits' if m['fits_device'] else 'does not fit'}, "
+                   f"context fits: {fit_text(m['context_fits'], m['context_limit'])}; {status}")
         out.append(f"      {m['path']}")
     ch = r["choice"]
     out += ["", "Choice"]

@@ -1,5 +1,9 @@
 """Export a conversation: transcript (Markdown, JSON with per-token source tags) and timing log (CSV, JSONL:
-one row per decode cycle with its phase times and acceptance)."""
+one row per decode cycle with its phase times and acceptance).
+
+A thinking model's reply keeps its parts apart: Markdown puts the reasoning in a collapsed ``<details>`` block
+above the answer; JSON gives ``reasoning`` and ``answer`` each with its text and tokens (id, text, source); the
+timing log says which part each cycle decoded (acceptance usually differs between them)."""
 
 from __future__ import annotations
 
@@ -10,8 +14,10 @@ import re
 import time
 from pathlib import Path
 
+from .reply_parts import (ANSWER, REASONING, parts_or_answer, reasoning_ms, select, shown_answer,
+                          shown_reasoning, thinking_title)
 from .stats import stats_line
-from .store import Conversation, CycleRow, Store
+from .store import Conversation, CycleRow, Message, Store
 
 FORMATS = {
     "md": "transcript (Markdown)",
@@ -38,7 +44,11 @@ def transcript_markdown(conv: Conversation) -> str:
         out += ["## System", "", conv.system_prompt, ""]
     for msg in conv.messages:
         heading = "User" if msg.role == "user" else f"Assistant{f' ({msg.model})' if msg.model else ''}"
-        out += [f"## {heading}", "", msg.content, ""]
+        out += [f"## {heading}", ""]
+        if msg.reasoning.strip():  # GitHub and most renderers show <details> collapsed
+            title = thinking_title(msg.parts.count(REASONING), reasoning_ms(msg.stats))
+            out += [f"<details><summary>{title}</summary>", "", shown_reasoning(msg.reasoning), "", "</details>", ""]
+        out += [shown_answer(msg.content) if msg.role == "assistant" else msg.content, ""]
         if msg.role == "assistant":
             notes = [n for n in (stats_line(msg.stats), msg.status if msg.status != "complete" else "",
                                  f"error: {msg.error}" if msg.error else "") if n]
@@ -52,18 +62,21 @@ def transcript_json(conv: Conversation) -> dict:
     for msg in conv.messages:
         item = {"role": msg.role, "content": msg.content, "created_at": msg.created_at}
         if msg.role == "assistant":
+            parts = parts_or_answer(msg.parts, len(msg.token_ids))
             item.update(
                 status=msg.status, model=msg.model, finish_reason=msg.finish_reason, stats=msg.stats,
                 error=msg.error, fallbacks=msg.fallbacks,
                 tokens=[
-                    {"id": tid, "text": piece, "source": source}
-                    for tid, piece, source in zip(msg.token_ids, msg.pieces, msg.sources)
+                    {"id": tid, "text": piece, "source": source, "part": part}
+                    for tid, piece, source, part in zip(msg.token_ids, msg.pieces, msg.sources, parts)
                 ],
+                reasoning=_part_json(msg, REASONING, parts),
+                answer=_part_json(msg, ANSWER, parts),
             )
         messages.append(item)
     return {
         "format": "mtpchat-transcript",
-        "version": 1,
+        "version": 2,  # 2: a reply's reasoning and answer apart, each token's part
         "id": conv.id,
         "title": conv.title,
         "system_prompt": conv.system_prompt,
@@ -72,10 +85,18 @@ def transcript_json(conv: Conversation) -> dict:
     }
 
 
+def _part_json(msg: Message, part: str, parts: list[str]) -> dict:
+    """One part of a reply: its text and its tokens with their sources."""
+    ids, pieces, sources = select(part, parts, msg.token_ids, msg.pieces, msg.sources)
+    return {"text": msg.reasoning if part == REASONING else msg.content,
+            "tokens": [{"id": t, "text": p, "source": s} for t, p, s in zip(ids, pieces, sources)]}
+
+
 def _cycle_record(row: CycleRow) -> dict:
     return {
         "message_id": row.message_id,
         "cycle": row.index,
+        "part": row.part,
         "depth": row.depth,
         "drafted": row.drafted,
         "accepted": row.accepted,
@@ -95,13 +116,14 @@ def timing_csv(rows: list[CycleRow]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(
-        ["message_id", "cycle", "depth", "drafted", "accepted", "accepted_per_position", "committed", "t_ms"]
+        ["message_id", "cycle", "depth", "drafted", "accepted", "accepted_per_position", "committed", "t_ms", "part"]
         + [f"{p}_ms" for p in phases]
     )
     for row in rows:
         writer.writerow(
             [row.message_id, row.index, row.depth, row.drafted, row.accepted,
-             "".join("1" if a else "0" for a in row.accepted_per_position), row.committed, f"{row.t_ms:.3f}"]
+             "".join("1" if a else "0" for a in row.accepted_per_position), row.committed, f"{row.t_ms:.3f}",
+             row.part]
             + [f"{row.phase_ms[p]:.4f}" if p in row.phase_ms else "" for p in phases]
         )
     return buf.getvalue()

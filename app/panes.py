@@ -55,6 +55,8 @@ class TimingPane(VerticalScroll):
     def compose(self) -> ComposeResult:
         yield LiveStatic(id="timing-depth")
         yield LiveStatic(id="timing-summary")
+        yield Label("reasoning and answer", classes="pane-title", id="timing-parts-title")
+        yield LiveStatic(id="timing-parts")
         yield Label("acceptance by draft position", classes="pane-title")
         yield LiveStatic(id="timing-positions")
         yield Label("phases, ms", classes="pane-title")
@@ -74,6 +76,20 @@ class TimingPane(VerticalScroll):
         if cycle_depth is not None:
             parts.append((f"  (last cycle: {cycle_depth})", "dim"))
         self.query_one("#timing-depth", LiveStatic).show(Content.assemble(*parts))
+
+    def show_parts(self, parts: dict[str, dict]) -> None:
+        """Tokens, tokens/s and acceptance of the reasoning and of the answer (MTP acceptance usually differs
+        between them); shown for replies with reasoning only."""
+        for widget in (self.query_one("#timing-parts-title"), self.query_one("#timing-parts")):
+            widget.display = bool(parts)
+        if not parts:
+            return
+        rows: list[list[Cell]] = [["", ("tokens", "dim"), ("tok/s", "dim"), ("acceptance", "dim")]]
+        for name, part in parts.items():
+            rate = part.get("acceptance_rate")
+            rows.append([name, _fmt(part.get("tokens"), "d"), _fmt(part.get("tokens_per_s"), ".1f"),
+                         DASH if rate is None else f"{100 * rate:.1f}%"])
+        self.query_one("#timing-parts", LiveStatic).show(grid(rows, right={1, 2, 3}, gap=2))
 
     def show(self, stats: ReplyStats, depth: int | None) -> None:
         last = stats.last_cycle
@@ -95,6 +111,7 @@ class TimingPane(VerticalScroll):
              ("prefilled", "dim"), _fmt((stats.final or {}).get("prefilled_tokens"), "d")],
         ])
         self.query_one("#timing-summary", LiveStatic).show(summary)
+        self.show_parts(stats.parts())
 
         positions = [[f"d{i}", _bar(f), f"{100 * f:.0f}%"] for i, f in enumerate(stats.per_position, start=1)]
         self.query_one("#timing-positions", LiveStatic).show(grid(positions, right={2}) if positions else DASH)

@@ -14,12 +14,14 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Checkbox, DataTable, Input, Label, Static, TextArea
+from textual.widgets import Button, Checkbox, DataTable, Input, Label, Select, Static, TextArea
+
+from engine import fit_text
 
 from .export import FORMATS, ExportError
 from .panes import human_count
 from .safe_text import terminal_safe
-from .settings import Settings
+from .settings import Settings, format_template_vars, parse_depth, parse_template_vars
 
 
 class Dialog(ModalScreen):
@@ -35,7 +37,8 @@ KEYS: list[tuple[str, str]] = [
     ("ctrl+j", "new line in the message (shift+enter too, where the terminal reports it)"),
     ("escape", "stop generating"),
     ("alt+0 … alt+4", "speculation depth 0 (plain decoding) … 4, also mid-reply"),
-    ("alt+- / alt+=", "depth down / up (0…4 and +/- when the input is not focused)"),
+    ("alt+a", "speculation depth auto: the engine picks each cycle's depth"),
+    ("alt+- / alt+=", "depth down / up along auto, 0, 1, … (and +/- when the input is not focused)"),
     ("f2", "toggle acceptance highlights (accepted MTP drafts marked)"),
     ("f3 / f4", "timing pane / diagnostics pane (again: hide)"),
     ("f5", "model picker (switch without restarting)"),
@@ -45,6 +48,7 @@ KEYS: list[tuple[str, str]] = [
     ("ctrl+o", "open a past conversation"),
     ("ctrl+r", "retry: generate the last reply again"),
     ("alt+c / alt+k", "copy the last reply / the last code block"),
+    ("alt+t", "thinking on / off from the next reply (models whose template has the switch)"),
     ("c / k", "on a focused message: copy it / copy its next code block (click a code block to copy it)"),
     ("ctrl+p", "command palette: depth, themes, every action above"),
     ("f1 / ?", "this help"),
@@ -73,14 +77,17 @@ class HelpScreen(Dialog):
 
 # settings --------------------------------------------------------------------------------------------
 class SettingsScreen(Dialog):
-    """Edit the system prompt of the current chat (also the default of new chats), sampling and max tokens."""
+    """Edit the system prompt of the current chat (also the default of new chats), sampling and max tokens, and a
+    thinking model's switch, budget and template variables (``thinking``: the loaded engine's ``thinking``)."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save", priority=True)]
+    THINK_VALUES = {"default": None, "on": True, "off": False}
 
-    def __init__(self, settings: Settings, system_prompt: str):
+    def __init__(self, settings: Settings, system_prompt: str, thinking=None):
         super().__init__()
         self.settings = settings
         self.system_prompt = system_prompt
+        self.thinking = thinking
 
     def compose(self) -> ComposeResult:
         s = self.settings
@@ -90,7 +97,7 @@ class SettingsScreen(Dialog):
             yield TextArea(self.system_prompt, id="set-system", soft_wrap=True)
             with Horizontal(classes="fields"):
                 yield self._field("max tokens", "set-max", str(s.max_new_tokens), "integer")
-                yield self._field("depth", "set-depth", str(s.depth), "integer")
+                yield self._field("depth (auto or 0-16)", "set-depth", str(s.depth), "text")
                 yield self._field("seed (blank: random)", "set-seed", "" if s.seed is None else str(s.seed), "integer")
             with Horizontal(classes="fields"):
                 yield self._field("temperature (0: greedy)", "set-temperature", str(s.temperature), "number")
@@ -98,10 +105,34 @@ class SettingsScreen(Dialog):
                 yield self._field("top-k (0: off)", "set-top-k", str(s.top_k), "integer")
             yield Checkbox("ignore end-of-sequence (keep generating to max tokens: for benchmarking)",
                            s.ignore_eos, id="set-ignore-eos")
+            yield from self._thinking_fields()
             yield Label("", id="settings-error", classes="dialog-error")
             with Horizontal(classes="buttons"):
                 yield Button("Save (ctrl+s)", id="save", variant="primary")
                 yield Button("Cancel", id="cancel")
+
+    def _thinking_fields(self) -> ComposeResult:
+        """Thinking on / off / the template's default (disabled, with the reason, for a model without the
+        switch), the thinking budget, and the template's other variables as name=value."""
+        s, info = self.settings, self.thinking
+        switch = bool(getattr(info, "switch", False))
+        default = getattr(info, "default", None)
+        shown_default = "template default" + ("" if default is None else f" ({'on' if default else 'off'})")
+        current = next(k for k, v in self.THINK_VALUES.items() if v == s.think)
+        select = Select([(shown_default, "default"), ("on", "on"), ("off", "off")], value=current,
+                        allow_blank=False, id="set-think", disabled=not switch)
+        names = ", ".join(getattr(info, "variables", None) or []) or "none"
+        with Horizontal(classes="fields"):
+            yield Vertical(Label("thinking"), select, classes="field")
+            yield self._field("thinking budget (blank: none)", "set-think-budget",
+                              "" if s.think_budget is None else str(s.think_budget), "integer")
+        yield Label(terminal_safe(f"template variables (name=value, ...; this template reads: {names})"),
+                    markup=False)
+        yield Input(format_template_vars(s.template_vars), id="set-template-vars")
+        if not switch:
+            reason = getattr(info, "reason", None) or "no model is loaded yet"
+            yield Label(terminal_safe(f"thinking cannot be switched: {reason}"), id="think-reason",
+                        classes="dialog-hint", markup=False)
 
     @staticmethod
     def _field(label: str, id: str, value: str, type: str) -> Vertical:
@@ -109,23 +140,31 @@ class SettingsScreen(Dialog):
 
     def _value(self, id: str, kind):
         raw = self.query_one(f"#{id}", Input).value.strip()
-        if raw == "" and id == "set-seed":
+        if raw == "" and id in ("set-seed", "set-think-budget"):
             return None
         return kind(raw)
 
     def action_save(self) -> None:
         error = self.query_one("#settings-error", Label)
         try:
+            template_vars = parse_template_vars(self.query_one("#set-template-vars", Input).value)
+        except ValueError as exc:
+            error.update(Text(terminal_safe(f"template variables: {exc}")))  # the user's text: not markup
+            return
+        try:
             new = replace(
                 self.settings,
                 max_new_tokens=self._value("set-max", int),
-                depth=self._value("set-depth", int),
+                depth=self._value("set-depth", parse_depth),
                 seed=self._value("set-seed", int),
                 temperature=self._value("set-temperature", float),
                 top_p=self._value("set-top-p", float),
                 top_k=self._value("set-top-k", int),
                 system_prompt=self.query_one("#set-system", TextArea).text,
                 ignore_eos=self.query_one("#set-ignore-eos", Checkbox).value,
+                think=self.THINK_VALUES[self.query_one("#set-think", Select).value],
+                think_budget=self._value("set-think-budget", int),
+                template_vars=template_vars,
                 warnings=[],
             )
         except ValueError as exc:
@@ -214,7 +253,7 @@ class ModelPickerScreen(Dialog):
             yield Label("Models", classes="dialog-title")
             yield Label(f"loaded: {terminal_safe(self.current or '—')}", id="models-current", markup=False)
             table = DataTable(id="models-table", cursor_type="row", zebra_stripes=True)
-            table.add_columns("name", "family", "params", "MTP", "fits", "status")
+            table.add_columns("name", "family", "params", "MTP", "fits", "context fits", "status")
             yield table
             yield Label("searching…", id="models-status")
             yield Label("or a model folder (HF layout):")
@@ -251,7 +290,9 @@ class ModelPickerScreen(Dialog):
             table.add_row(
                 *map(_cell, (getattr(c, "name", "?"), getattr(c, "family", "?") or "?",
                              human_count(getattr(c, "params", None)), str(getattr(c, "mtp_layers", "—")),
-                             _yes(getattr(c, "fits_device", None)), status)),
+                             _yes(getattr(c, "fits_device", None)),
+                             fit_text(getattr(c, "context_fits", None), getattr(c, "context_limit", None)),
+                             status)),
                 key=str(index),
             )
         status = self.query_one("#models-status", Label)

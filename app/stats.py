@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .reply_parts import ANSWER, REASONING
+
 if TYPE_CHECKING:
     from engine import Cycle
 
@@ -29,6 +31,44 @@ class ReplyStats:
     tps_series: list[float] = field(default_factory=list)
     acceptance_series: list[float] = field(default_factory=list)
     final: dict | None = None  # the engine's Finished.stats
+    # a thinking model's reply, part by part ("reasoning", "answer"): tokens, drafts judged and accepted, and the
+    # span of time the part's tokens arrived in
+    part_tokens: dict[str, int] = field(default_factory=dict)
+    part_drafted: dict[str, int] = field(default_factory=dict)
+    part_accepted: dict[str, int] = field(default_factory=dict)
+    part_span_ms: dict[str, list[float]] = field(default_factory=dict)  # part -> [first, last] arrival
+
+    def add_parts(self, parts: list[str], t_ms: float) -> None:
+        """Tokens of a chunk, by part, received ``t_ms`` after the reply started."""
+        for part in dict.fromkeys(parts):
+            self.part_tokens[part] = self.part_tokens.get(part, 0) + parts.count(part)
+            span = self.part_span_ms.setdefault(part, [t_ms, t_ms])
+            span[1] = t_ms
+
+    def add_part_cycle(self, cycle: Cycle, part: str) -> None:
+        self.part_drafted[part] = self.part_drafted.get(part, 0) + cycle.drafted
+        self.part_accepted[part] = self.part_accepted.get(part, 0) + cycle.accepted
+
+    def parts(self) -> dict[str, dict]:
+        """Per part {tokens, acceptance_rate, tokens_per_s} (None where not known yet); empty for a reply without
+        reasoning. The engine's final numbers win once the reply is finished."""
+        if not self.part_tokens.get(REASONING):
+            return {}
+        final = (self.final or {}).get("parts") or {}
+        out = {}
+        for part in (REASONING, ANSWER):
+            if part in final:
+                f = final[part]
+                out[part] = {"tokens": f.get("tokens"), "tokens_per_s": f.get("tokens_per_s"),
+                             "acceptance_rate": f.get("acceptance_rate") if f.get("drafted") else None}
+                continue
+            tokens, drafted = self.part_tokens.get(part, 0), self.part_drafted.get(part, 0)
+            first, last = self.part_span_ms.get(part, (0.0, 0.0))
+            out[part] = {"tokens": tokens,
+                         "tokens_per_s": (tokens - 1) / ((last - first) / 1000) if tokens > 1 and last > first
+                         else None,
+                         "acceptance_rate": self.part_accepted.get(part, 0) / drafted if drafted else None}
+        return out
 
     def add_tokens(self, count: int, t_ms: float) -> None:
         if count and self.first_token_ms is None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from . import paths
+from .reply_parts import ANSWER, REASONING, parts_or_answer
 from .safe_text import terminal_safe
 
 MIGRATIONS: list[str] = [
@@ -71,12 +72,21 @@ MIGRATIONS: list[str] = [
     CREATE INDEX cycles_by_message ON cycles(message_id, id);
     ALTER TABLE messages ADD COLUMN fallbacks TEXT;
     """,
+    # v2 -> v3: a thinking model's reply in two parts: messages.content is the answer, messages.reasoning the
+    # reasoning; each token's part (one character per token, NULL: all answer) and each cycle's
+    """
+    ALTER TABLE messages ADD COLUMN reasoning TEXT NOT NULL DEFAULT '';
+    ALTER TABLE token_chunks ADD COLUMN parts TEXT;
+    ALTER TABLE cycles ADD COLUMN part TEXT;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 # per-token source tags are stored one character per token
-SOURCE_CODE = {"draft": "d", "target": "t"}
+SOURCE_CODE = {"draft": "d", "target": "t", "forced": "f"}  # forced: appended by the engine (thinking budget)
 SOURCE_NAME = {code: name for name, code in SOURCE_CODE.items()}
+PART_CODE = {REASONING: "r", ANSWER: "a"}
+PART_NAME = {code: name for name, code in PART_CODE.items()}
 
 
 class StoreError(Exception):
@@ -94,7 +104,7 @@ def title_for(first_message: str) -> str:
 class Message:
     id: int
     role: str  # "user" | "assistant"
-    content: str
+    content: str  # a reply's answer (without its reasoning)
     status: str = "complete"  # complete | streaming | stopped | error | interrupted
     model: str | None = None
     finish_reason: str | None = None
@@ -105,6 +115,8 @@ class Message:
     token_ids: list[int] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)  # "draft" | "target" per token
     pieces: list[str] = field(default_factory=list)  # text of each token
+    reasoning: str = ""  # a thinking model's reasoning (the text of the tokens whose part is "reasoning")
+    parts: list[str] = field(default_factory=list)  # "reasoning" | "answer" per token
 
 
 @dataclass
@@ -138,6 +150,7 @@ class CycleRow:
     committed: int
     phase_ms: dict[str, float]
     t_ms: float  # milliseconds since the reply started (when the cycle reached the app)
+    part: str = ANSWER  # the part of the reply the cycle decoded (its first token's)
 
 
 def migrate(conn: sqlite3.Connection) -> int:
@@ -210,19 +223,20 @@ class Store:
         conv = Conversation(*row)
         messages = {}
         for r in self.conn.execute(
-            """SELECT id, role, content, status, model, finish_reason, stats, error, fallbacks, created_at
+            """SELECT id, role, content, status, model, finish_reason, stats, error, fallbacks, created_at,
+                      reasoning
                FROM messages WHERE conversation_id = ? ORDER BY id""",
             (conversation_id,),
         ):
             msg = Message(
                 id=r[0], role=r[1], content=r[2], status=r[3], model=r[4], finish_reason=r[5],
                 stats=json.loads(r[6]) if r[6] else None, error=r[7],
-                fallbacks=json.loads(r[8]) if r[8] else [], created_at=r[9],
+                fallbacks=json.loads(r[8]) if r[8] else [], created_at=r[9], reasoning=r[10],
             )
             messages[msg.id] = msg
             conv.messages.append(msg)
-        for message_id, ids, sources, pieces in self.conn.execute(
-            """SELECT t.message_id, t.token_ids, t.sources, t.pieces FROM token_chunks t
+        for message_id, ids, sources, pieces, parts in self.conn.execute(
+            """SELECT t.message_id, t.token_ids, t.sources, t.pieces, t.parts FROM token_chunks t
                JOIN messages m ON m.id = t.message_id WHERE m.conversation_id = ? ORDER BY t.id""",
             (conversation_id,),
         ):
@@ -230,6 +244,7 @@ class Store:
             msg.token_ids.extend(json.loads(ids))
             msg.sources.extend(SOURCE_NAME[c] for c in sources)
             msg.pieces.extend(json.loads(pieces))
+            msg.parts.extend([PART_NAME[c] for c in parts] if parts else [ANSWER] * len(sources))  # NULL: before v3
         return conv
 
     def delete_conversation(self, conversation_id: int) -> None:
@@ -272,29 +287,36 @@ class Store:
 
     def append_reply(
         self, message_id: int, text: str, token_ids: list[int], sources: list[str], pieces: list[str],
-        cycles: Iterable[tuple[Any, float]] = (),
+        cycles: Iterable[tuple[Any, float]] = (), *, reasoning: str = "", parts: list[str] | None = None,
+        cycle_parts: list[str] | None = None,
     ) -> None:
         """Persist one streamed chunk of a reply and the cycles that produced it, in one transaction.
-        ``cycles``: (cycle, t_ms) pairs, a cycle having CycleRow's fields but message_id and t_ms (the engine's
-        ``Cycle``), t_ms when it reached the app, milliseconds after the reply started."""
+        ``text`` is the chunk's answer text, ``reasoning`` its reasoning text, ``parts`` each token's part (None:
+        all answer). ``cycles``: (cycle, t_ms) pairs, a cycle having CycleRow's fields but message_id and t_ms
+        (the engine's ``Cycle``), t_ms when it reached the app, milliseconds after the reply started;
+        ``cycle_parts`` the part each decoded (None: the answer)."""
+        cycles = list(cycles)
+        cycle_parts = cycle_parts if cycle_parts and len(cycle_parts) == len(cycles) else [ANSWER] * len(cycles)
         with self.conn:
             self.conn.execute("BEGIN")
-            if text:
-                self.conn.execute("UPDATE messages SET content = content || ? WHERE id = ?", (text, message_id))
+            if text or reasoning:
+                self.conn.execute("UPDATE messages SET content = content || ?, reasoning = reasoning || ? "
+                                  "WHERE id = ?", (text, reasoning, message_id))
             if token_ids:
                 self.conn.execute(
-                    "INSERT INTO token_chunks (message_id, token_ids, sources, pieces) VALUES (?, ?, ?, ?)",
+                    "INSERT INTO token_chunks (message_id, token_ids, sources, pieces, parts) VALUES (?, ?, ?, ?, ?)",
                     (message_id, json.dumps(token_ids), "".join(SOURCE_CODE[s] for s in sources),
-                     json.dumps(pieces, ensure_ascii=False)),
+                     json.dumps(pieces, ensure_ascii=False),
+                     "".join(PART_CODE[p] for p in parts_or_answer(parts, len(token_ids)))),
                 )
             self.conn.executemany(
                 """INSERT INTO cycles (message_id, idx, depth, drafted, accepted, accepted_mask, committed,
-                   phase_ms, t_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                   phase_ms, t_ms, part) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 [
                     (message_id, c.index, c.depth, c.drafted, c.accepted,
                      "".join("1" if a else "0" for a in c.accepted_per_position), c.committed,
-                     json.dumps(c.phase_ms), t_ms)
-                    for c, t_ms in cycles
+                     json.dumps(c.phase_ms), t_ms, part)
+                    for (c, t_ms), part in zip(cycles, cycle_parts)
                 ],
             )
 
@@ -320,12 +342,13 @@ class Store:
     def cycles(self, conversation_id: int) -> list[CycleRow]:
         rows = self.conn.execute(
             """SELECT c.message_id, c.idx, c.depth, c.drafted, c.accepted, c.accepted_mask, c.committed,
-                      c.phase_ms, c.t_ms
+                      c.phase_ms, c.t_ms, c.part
                FROM cycles c JOIN messages m ON m.id = c.message_id
                WHERE m.conversation_id = ? ORDER BY c.id""",
             (conversation_id,),
         ).fetchall()
         return [
-            CycleRow(r[0], r[1], r[2], r[3], r[4], [ch == "1" for ch in r[5]], r[6], json.loads(r[7]), r[8])
+            CycleRow(r[0], r[1], r[2], r[3], r[4], [ch == "1" for ch in r[5]], r[6], json.loads(r[7]), r[8],
+                     r[9] or ANSWER)
             for r in rows
         ]

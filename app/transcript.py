@@ -5,6 +5,11 @@ its plain text with every token that came from an accepted MTP draft marked in t
 colours. Highlight mode works live while streaming and for replies reopened from the database, because each
 reply stores its per-token text and source tags. (Markdown formatting and per-token marks do not mix: the
 Markdown renderer re-flows text, so token boundaries are lost; showing the raw text keeps the mapping exact.)
+
+A thinking model's reply has two parts (app/reply_parts.py): its reasoning is a collapsible "thinking" block
+above the answer, expanded and streaming while the reasoning runs, collapsed when the answer starts, titled with
+its token count and time; the reasoning is always plain text (with the draft highlights in highlight mode). Tool
+calls in an answer (Qwen's `<tool_call>` blocks) are shown below it, formatted and collapsed: never run.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from textual.containers import Vertical
 from textual.content import Content, Span
 from textual.message import Message
 from textual.timer import Timer
-from textual.widgets import Markdown, Static, TextArea
+from textual.widgets import Collapsible, Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownFence
 
 from .live import LiveStatic
+from .reply_parts import (ANSWER, REASONING, ToolCall, reasoning_ms, select, shown_answer, split_tool_calls,
+                          thinking_title, tool_call_text, tool_call_title)
 from .safe_text import terminal_safe
 from .stats import stats_line
 from .store import Message as StoredMessage
@@ -63,6 +70,30 @@ def highlighted(pieces: list[str], sources: list[str]) -> Content:
     return Content("".join(text_parts), spans, strip_control_codes=False)
 
 
+def without_leading_blank(pieces: list[str], sources: list[str]) -> tuple[list[str], list[str]]:
+    """Pieces without the newlines that open them (the blank line after `</think>` is layout)."""
+    for i, piece in enumerate(pieces):
+        if piece.strip("\n"):
+            return [piece.lstrip("\n")] + pieces[i + 1 :], sources[i:]
+    return [], []
+
+
+def without_tool_calls(content: Content) -> Content:
+    """Shown text with its tool-call blocks cut out (they are shown apart, formatted)."""
+    kept, at = [], 0
+    for segment in split_tool_calls(content.plain):
+        length = len(segment.raw if isinstance(segment, ToolCall) else segment)
+        if not isinstance(segment, ToolCall):
+            kept.append(content[at : at + length])
+        at += length
+    return Content("").join(kept).rstrip() if kept else Content("")
+
+
+def answer_markdown(answer: str) -> str:
+    """The answer's Markdown, tool-call blocks left out."""
+    return "".join(s for s in split_tool_calls(shown_answer(answer)) if isinstance(s, str)).rstrip()
+
+
 def code_blocks(markdown: str) -> list[str]:
     """The fenced and indented code blocks of a Markdown text, in order."""
     return [t.content for t in MarkdownIt("commonmark").parse(markdown) if t.type in ("fence", "code_block")]
@@ -86,6 +117,9 @@ class MessageView(Vertical, can_focus=True):
         self._render_s = 0.0  # how long the last streamed render took
         self._render_lock = asyncio.Lock()
         self._markdown_len = len(message.content)  # characters of the reply the Markdown widget holds
+        self.reasoning_ms: float | None = None  # while the reasoning streams: its time so far (the app sets it)
+        self._reasoning_running = streaming and REASONING in message.parts[-1:]
+        self._auto_collapsed = not streaming  # the thinking block collapses once, when the answer starts
 
     # composition -------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -94,8 +128,14 @@ class MessageView(Vertical, can_focus=True):
         if m.role == "user":
             yield Static(Content(visible(m.content), strip_control_codes=False), classes="message-body")
             return
-        yield Markdown(visible(m.content), classes="message-body reply-markdown")
+        thinking = Collapsible(LiveStatic(self._reasoning_content(), classes="reasoning-body"),
+                               title=self._thinking_title(), collapsed=not self._reasoning_running,
+                               classes="thinking")
+        thinking.display = self._has_reasoning()
+        yield thinking
+        yield Markdown(self._answer_markdown(), classes="message-body reply-markdown")
         yield LiveStatic(self._highlight_content(), classes="message-body reply-highlight")
+        yield Vertical(*self._tool_call_blocks(), classes="tool-calls")
         yield Static(self._footer(), classes="message-footer", markup=False)
 
     def on_mount(self) -> None:
@@ -126,9 +166,79 @@ class MessageView(Vertical, can_focus=True):
 
     def _highlight_content(self) -> Content:
         m = self.message
-        if m.pieces and "".join(m.pieces).strip():
-            return highlighted(m.pieces, m.sources)
-        return Content(visible(m.content), strip_control_codes=False)  # no per-token data (e.g. nothing generated yet)
+        pieces, sources = self._part(ANSWER)
+        if pieces and "".join(pieces).strip():
+            content = highlighted(*without_leading_blank(pieces, sources))
+        else:  # no per-token data (e.g. nothing generated yet)
+            content = Content(visible(shown_answer(m.content)), strip_control_codes=False)
+        return content if self.streaming else without_tool_calls(content)
+
+    def _part(self, part: str) -> tuple[list[str], list[str]]:
+        """The pieces and sources of the reply's tokens in ``part`` (a reply without parts is all answer)."""
+        m = self.message
+        if len(m.parts) != len(m.pieces):
+            return (list(m.pieces), list(m.sources)) if part == ANSWER else ([], [])
+        pieces, sources = select(part, m.parts, m.pieces, m.sources)
+        return pieces, sources
+
+    def _answer_markdown(self) -> str:
+        text = shown_answer(self.message.content)
+        return visible(text if self.streaming else answer_markdown(text))
+
+    # the reasoning ---------------------------------------------------------------------------------------
+    def _has_reasoning(self) -> bool:
+        return self._reasoning_running or bool(self.message.reasoning.strip())
+
+    def _reasoning_content(self) -> Content:
+        """The reasoning as plain text; in highlight mode with its accepted drafts marked."""
+        pieces, sources = self._part(REASONING)
+        if not self.highlight:
+            return Content(visible(self.message.reasoning.strip("\n")), strip_control_codes=False)
+        while pieces and not pieces[-1].strip("\n"):  # the newline before `</think>` (and the marker's "")
+            pieces, sources = pieces[:-1], sources[:-1]
+        return highlighted(*without_leading_blank(pieces, sources))
+
+    def _thinking_title(self) -> Content:
+        tokens = self.message.parts.count(REASONING)
+        ms = reasoning_ms(self.message.stats) if not self.streaming else None
+        return Content(thinking_title(tokens, ms if ms is not None else self.reasoning_ms, self._reasoning_running))
+
+    def open_reasoning(self) -> None:
+        """The reply starts inside a reasoning block (the generation prompt opened it): show it, streaming."""
+        self._reasoning_running, self._auto_collapsed = True, False
+        if self.is_mounted:
+            thinking = self.query_one(".thinking", Collapsible)
+            thinking.display, thinking.collapsed = True, False
+
+    def _update_reasoning(self) -> None:
+        """Follow the stream: the block's text and title; collapse it once the answer starts."""
+        parts = self.message.parts
+        self._reasoning_running = self.streaming and bool(parts) and parts[-1] == REASONING
+        thinking = self.query_one(".thinking", Collapsible)
+        if not self._has_reasoning():
+            return
+        thinking.display = True
+        if self._reasoning_running and not self._auto_collapsed:
+            thinking.collapsed = False
+        if not self._reasoning_running and not self._auto_collapsed and ANSWER in parts:
+            thinking.collapsed, self._auto_collapsed = True, True
+        thinking.title = self._thinking_title()
+        self.query_one(".reasoning-body", LiveStatic).show(self._reasoning_content())
+
+    # tool calls ------------------------------------------------------------------------------------------
+    def _tool_call_blocks(self) -> list[Collapsible]:
+        if self.streaming:  # formatted once the reply is complete (a half-written call streams as text)
+            return []
+        calls = [s for s in split_tool_calls(self.message.content) if isinstance(s, ToolCall)]
+        return [Collapsible(Static(Content(visible(tool_call_text(c)), strip_control_codes=False),
+                                   classes="tool-call-body"),
+                            title=Content(visible(tool_call_title(c))), collapsed=True, classes="tool-call")
+                for c in calls]
+
+    async def _refresh_tool_calls(self) -> None:
+        box = self.query_one(".tool-calls", Vertical)
+        await box.remove_children()
+        await box.mount_all(self._tool_call_blocks())
 
     def _show_mode(self) -> None:
         self.query_one(".reply-markdown").display = not self.highlight
@@ -153,23 +263,30 @@ class MessageView(Vertical, can_focus=True):
         self._timer = None
         started = time.perf_counter()
         async with self._render_lock:
+            self._update_reasoning()
             if self.highlight:
                 self.query_one(".reply-highlight", LiveStatic).show(self._highlight_content())
             else:
                 new = self.message.content[self._markdown_len :]
                 if new:
-                    self._markdown_len += len(new)
-                    await self.query_one(".reply-markdown", Markdown).append(visible(new))
+                    if not self._markdown_len:
+                        new = shown_answer(new)
+                    self._markdown_len = len(self.message.content)
+                    if new:
+                        await self.query_one(".reply-markdown", Markdown).append(visible(new))
         self._render_s = time.perf_counter() - started
 
     async def refresh_body(self) -> None:
         """Render the whole body again in the current mode."""
         async with self._render_lock:
+            self._update_reasoning()
             if self.highlight:
                 self.query_one(".reply-highlight", Static).update(self._highlight_content())
             else:
                 self._markdown_len = len(self.message.content)
-                await self.query_one(".reply-markdown", Markdown).update(visible(self.message.content))
+                await self.query_one(".reply-markdown", Markdown).update(self._answer_markdown())
+            if not self.streaming:
+                await self._refresh_tool_calls()
 
     async def finish(self) -> None:
         """The reply is complete (or stopped or failed): render it fully and show its footer."""

@@ -12,6 +12,7 @@ import os
 import sqlite3
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Iterable
 
@@ -26,13 +27,16 @@ from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
 
 import themes
 
+from engine import format_tokens
+
 from . import paths
 from .export import export_conversation
 from .live import LiveStatic
 from .panes import DiagnosticsPane, TimingPane
-from .safe_text import terminal_safe
+from .reply_parts import REASONING, history_content
+from .safe_text import first_line, terminal_safe
 from .screens import ConversationsScreen, ExportScreen, HelpScreen, ModelPickerScreen, SettingsScreen
-from .settings import DEPTH_KEYS, MAX_DEPTH, Settings, load_settings, save_settings
+from .settings import AUTO, DEPTH_KEYS, DEPTH_ORDER, MAX_DEPTH, Settings, load_settings, save_settings
 from .stats import ReplyStats
 from .store import Conversation, Message, Store, StoreError, title_for
 from .transcript import DRAFT_STYLE, MessageView, PromptInput
@@ -42,6 +46,7 @@ from .worker import (
     EngineLoading,
     EngineWorker,
     Generate,
+    HistoryTrimmed,
     ReplyFailed,
     ReplyFinished,
     ReplyProgress,
@@ -49,6 +54,8 @@ from .worker import (
     SetDepth,
     Stop,
     SwitchModel,
+    WarmedUp,
+    WarmupProgress,
     default_loader,
 )
 
@@ -72,6 +79,9 @@ class StreamingReply:
     stats: ReplyStats = field(default_factory=ReplyStats)
 
 
+NARROW_COLUMNS = 100  # below this the side panel is hidden unless asked for
+
+
 class MtpChatApp(App):
     TITLE = "mtpchat"
     CSS_PATH = [Path(__file__).with_name("app.tcss"), themes.CSS_PATH]
@@ -93,10 +103,12 @@ class MtpChatApp(App):
         Binding("ctrl+r", "retry", "Retry", show=False, id="retry"),
         Binding("alt+c", "copy_last", "Copy reply", show=False, priority=True, id="copy-last"),
         Binding("alt+k", "copy_code", "Copy code block", show=False, priority=True, id="copy-code"),
+        Binding("alt+t", "toggle_thinking", "Thinking", show=False, priority=True, id="thinking"),
         *[
             Binding(f"alt+{d}", f"depth({d})", f"Depth {d}", show=False, priority=True, id=f"depth-{d}")
             for d in range(DEPTH_KEYS + 1)
         ],
+        Binding("alt+a", "depth('auto')", "Depth auto", show=False, priority=True, id="depth-auto"),
         Binding("alt+minus", "depth_step(-1)", "Depth -", show=False, priority=True, id="depth-down"),
         Binding("alt+equals_sign,alt+plus", "depth_step(1)", "Depth +", show=False, priority=True, id="depth-up"),
         # plain keys work when the prompt is not focused (the prompt types them)
@@ -113,14 +125,21 @@ class MtpChatApp(App):
         dtype: str | None = None,
         *,
         loader=default_loader,
+        warm_up: bool | None = None,  # after a load: None on CUDA only (worker.should_warm_up)
+        think: bool | None = None,  # --think / --no-think: this session's, over the saved setting
     ):
         super().__init__()
         self.settings: Settings = load_settings()
         self.depth = depth if depth is not None else self.settings.depth
+        self.think = think if think is not None else self.settings.think  # None: the chat template's default
+        self.thinking = None  # the loaded engine's `thinking` (its template's switch, default and variables)
         if model is None and self.settings.model and Path(self.settings.model).exists():
             model = self.settings.model
-        self.worker = EngineWorker(self.post_message, model, device, dtype, loader=loader)
-        self.engine_state = "loading"  # loading | ready | failed
+        self.worker = EngineWorker(self.post_message, model, device, dtype, loader=loader, depth=self.depth,
+                                   warm_up=warm_up)
+        self.engine_state = "loading"  # loading | warming (kernels, graphs) | ready | failed
+        self.warmup_status = ""  # while warming: "preparing kernels 3/9 · depth 1: first prompt"
+        self.ready_note = ""  # "ready in 12.3 s" after a warm-up, until the first reply starts
         self.model_name: str | None = None
         self.model_path: str | None = None
         self.store: Store | None = None
@@ -132,6 +151,10 @@ class MtpChatApp(App):
         self._picked_model: str | None = None
         self._fallbacks_noticed: set[tuple[str, str]] = set()
         self.engine_info, self.engine_diagnostics = None, {}  # the loaded model's, refreshed after every reply
+        # the context meter: tokens of the open conversation as last sent (None: not known until the next reply),
+        # and how many of its oldest messages no longer fit the context
+        self.context_used: int | None = 0
+        self.context_dropped = 0
         for theme in themes.load_themes():
             self.register_theme(theme)
 
@@ -187,7 +210,7 @@ class MtpChatApp(App):
         self.theme_changed_signal.subscribe(self, self._theme_changed)
         if self.settings.keymap:
             self.set_keymap(self.settings.keymap)
-        self.ui("#side").display = self.settings.side_panel
+        self._fit_side()
         self.ui("#legend-draft").display = self.settings.highlight
         self.ui("#legend-target").display = self.settings.highlight
         for warning in self.settings.warnings:
@@ -229,6 +252,8 @@ class MtpChatApp(App):
             prompt.load_text(self.conversation.draft)
         prompt.move_cursor(prompt.document.end)
         self.sub_title = self._subtitle()
+        self.context_used, self.context_dropped = conversation_tokens(self.conversation.messages), 0
+        self._update_status()
         transcript.anchor()
 
     def _subtitle(self) -> str:
@@ -248,11 +273,42 @@ class MtpChatApp(App):
         """What the model sees: the system prompt, then the turns (failed or empty replies left out)."""
         conv = self.conversation
         messages = [{"role": "system", "content": conv.system_prompt}] if conv.system_prompt.strip() else []
+        markers = (getattr(self.thinking, "open_marker", None), getattr(self.thinking, "close_marker", None))
         for m in conv.messages:
             if m.role == "assistant" and (m.status in ("streaming", "error") or not m.content.strip()):
                 continue
-            messages.append({"role": m.role, "content": m.content})
+            # a reply's reasoning goes back in the model's own form; the template drops it from earlier turns
+            content = history_content(m.reasoning, m.content, *markers) if m.role == "assistant" else m.content
+            messages.append({"role": m.role, "content": content})
         return messages
+
+    # thinking --------------------------------------------------------------------------------------------
+    def thinking_switch(self) -> tuple[bool, str | None]:
+        """Can thinking be switched for the loaded model, and if not, why not."""
+        info = self.thinking
+        if info is None:
+            return False, "no model is loaded yet"
+        return bool(info.switch), None if info.switch else (info.reason or "the model has no thinking switch")
+
+    def thinking_on(self) -> bool | None:
+        """Whether the next reply thinks: the user's choice, else the template's default (None: not known)."""
+        if not self.thinking_switch()[0]:
+            return None
+        return self.think if self.think is not None else self.thinking.default
+
+    def thinking_settings(self) -> dict:
+        """The GenerationSettings of thinking: enable_thinking only where the template has the switch (and the
+        user chose), the budget, the template variables the user set that the template reads."""
+        out = {}
+        if self.thinking_switch()[0] and self.think is not None:
+            out["think"] = self.think
+        if self.settings.think_budget is not None:
+            out["think_budget"] = self.settings.think_budget
+        known = set(getattr(self.thinking, "variables", None) or [])
+        variables = {k: v for k, v in self.settings.template_vars.items() if k in known}
+        if variables:
+            out["template_vars"] = variables
+        return out
 
     def _saved(self, write, *args, **kwargs) -> bool:
         """Run a store write; a failure (disk full, file removed) is reported once and the app keeps going."""
@@ -326,7 +382,7 @@ class MtpChatApp(App):
             reply.id,
             self.history(),
             dict(max_new_tokens=s.max_new_tokens, depth=self.depth, temperature=s.temperature, top_p=s.top_p,
-                 top_k=s.top_k, seed=s.seed, ignore_eos=s.ignore_eos),
+                 top_k=s.top_k, seed=s.seed, ignore_eos=s.ignore_eos, **self.thinking_settings()),
         ))
         self._show_stats()
         self._update_status()
@@ -339,8 +395,10 @@ class MtpChatApp(App):
         self._update_status()
 
     def on_engine_loaded(self, message: EngineLoaded) -> None:
-        self.engine_state = "ready"
+        self.engine_state = "warming" if message.warming_up else "ready"
+        self.warmup_status, self.ready_note = "preparing kernels…", ""
         self.engine_info, self.engine_diagnostics = message.info, message.diagnostics
+        self.thinking = message.thinking
         # the load's own fallbacks (no CUDA, no FLA, ...) are in the diagnostics pane, not notices; plain decoding
         # gets its notice at the first reply
         self._fallbacks_noticed = {(f["feature"], f["reason"]) for f in message.diagnostics.get("fallbacks", [])
@@ -353,6 +411,24 @@ class MtpChatApp(App):
             self.settings.model = picked
             self._save_settings()
         self.sub_title = self._subtitle()
+        self._update_status()
+
+    def on_warmup_progress(self, message: WarmupProgress) -> None:
+        if self.engine_state == "warming":
+            self.warmup_status = warmup_text(message.done, message.total, message.what, message.first_run)
+            self._update_status()
+
+    def on_warmed_up(self, message: WarmedUp) -> None:
+        if self.engine_state != "warming":
+            return
+        self.engine_state = "ready"
+        self.ready_note = f"ready in {message.ready_s:.1f} s"
+        if message.error:
+            self.notify(f"Preparing kernels failed: {first_line(message.error)} (the first reply compiles them)",
+                        severity="warning", timeout=10)
+        if message.diagnostics is not None:  # the CUDA graphs the warm-up captured
+            self.engine_diagnostics = message.diagnostics
+            self.ui("#diagnostics-pane", DiagnosticsPane).show(self.engine_info, message.diagnostics)
         self._update_status()
 
     def on_engine_load_failed(self, message: EngineLoadFailed) -> None:
@@ -388,24 +464,52 @@ class MtpChatApp(App):
                 self.notify(f"{what}: {key[1]}", severity="warning", timeout=8)
 
     def on_reply_started(self, message: ReplyStarted) -> None:
+        self.ready_note = ""  # the load-to-ready time is said once
         self._notice_fallbacks(message.fallbacks, ("speculation",))  # before the reply: it will not speculate
+        request = self._current(message.request_id)
+        if request is not None:
+            self.context_used = message.prompt_tokens
+            if message.reasoning and request.view is not None:
+                request.view.open_reasoning()
+            self._update_status()
+
+    def on_history_trimmed(self, message: HistoryTrimmed) -> None:
+        """The oldest turns no longer fit the context: say so when more of them are dropped than before."""
+        if self._current(message.request_id) is None:
+            return
+        if message.dropped > self.context_dropped:
+            limit = f" ({format_tokens(message.limit)} tokens)" if message.limit else ""
+            self.notify(f"This chat is longer than the model's context{limit}: its {message.dropped} oldest "
+                        f"message{'s' * (message.dropped > 1)} are no longer sent to the model (the system prompt "
+                        f"is kept).", severity="warning", timeout=10)
+        self.context_dropped = message.dropped
+        self._update_status()
 
     def on_reply_progress(self, message: ReplyProgress) -> None:
         request = self._current(message.request_id)
         if request is None:
             return
         self._saved(self.store.append_reply, message.request_id, message.text, message.token_ids, message.sources,
-                    message.pieces, message.cycles)
+                    message.pieces, message.cycles, reasoning=message.reasoning, parts=message.parts,
+                    cycle_parts=message.cycle_parts)
         stats = request.stats
         stats.add_tokens(len(message.token_ids), message.t_ms)
-        for cycle, t_ms in message.cycles:
+        stats.add_parts(message.parts, message.t_ms)
+        for (cycle, t_ms), part in zip(message.cycles, message.cycle_parts or ["answer"] * len(message.cycles)):
             stats.add_cycle(cycle, t_ms)
+            stats.add_part_cycle(cycle, part)
         reply = request.message
         reply.content += message.text
+        reply.reasoning += message.reasoning
         reply.token_ids += message.token_ids
         reply.sources += message.sources
         reply.pieces += message.pieces
+        reply.parts += message.parts
+        if self.context_used is not None:
+            self.context_used += len(message.token_ids)
         if request.view is not None:
+            if REASONING in message.parts:  # the thinking block's time so far
+                request.view.reasoning_ms = message.t_ms
             request.view.grew()
         self._stats_dirty = True  # shown by _refresh_stats at a few Hz
 
@@ -420,6 +524,7 @@ class MtpChatApp(App):
         self._saved(self.store.finish_message, reply.id, status, finish_reason=message.reason,
                     stats=message.stats, fallbacks=message.fallbacks)
         request.stats.final = message.stats
+        self.context_used = conversation_tokens([reply]) or self.context_used
         if message.diagnostics is not None:  # replay counters, reuse and memory as they are now
             self.engine_diagnostics = message.diagnostics
             self.ui("#diagnostics-pane", DiagnosticsPane).show(self.engine_info, message.diagnostics)
@@ -472,12 +577,30 @@ class MtpChatApp(App):
         else:
             parts.append(terminal_safe(self.model_name or ""))
         parts.append(f"depth {self.depth}")
-        if self.request is not None:
+        thinking = self.thinking_on()
+        if thinking is not None:  # a model with the switch: what the next reply does (alt+t switches)
+            parts.append("thinking on" if thinking else "thinking off")
+        if self.engine_state == "warming":  # a message sent meanwhile waits in the worker's queue
+            parts.append(self.warmup_status + (" · your message is next" if self.request is not None else ""))
+        elif self.request is not None:
             tps = self.request.stats.tokens_per_s
             parts.append("generating…" + (f" {tps:.0f} tok/s" if tps else "") + " (esc stops)")
         elif self.engine_state == "ready":
-            parts.append("ready")
+            parts.append(self.ready_note or "ready")
+        parts.append(self._context_meter())
         self.ui("#status", LiveStatic).show(" · ".join(p for p in parts if p))
+
+    def _context_meter(self) -> str:
+        """'context 12.3k / 262k': the open conversation's tokens (prompt and reply, as last sent) of the loaded
+        model's context; with how many of its oldest messages no longer fit."""
+        limit = (self.engine_diagnostics.get("context") or {}).get("limit") if self.engine_state == "ready" else None
+        if not limit:
+            return ""
+        used = "?" if self.context_used is None else format_tokens(self.context_used)
+        meter = f"context {used} / {format_tokens(limit)}"
+        if self.context_dropped:
+            meter += f" ({self.context_dropped} oldest not sent)"
+        return meter
 
     def _save_settings(self) -> None:
         try:
@@ -503,8 +626,8 @@ class MtpChatApp(App):
             self.worker.submit(Stop())
             self.notify("Stopping…", timeout=2)
 
-    def action_depth(self, depth: int) -> None:
-        depth = max(0, min(MAX_DEPTH, depth))
+    def action_depth(self, depth: int | str) -> None:
+        depth = depth if depth == AUTO else max(0, min(MAX_DEPTH, depth))
         self.depth = depth
         self.worker.submit(SetDepth(depth))  # applies to the running reply from its next cycle
         if self.request is not None:
@@ -515,7 +638,9 @@ class MtpChatApp(App):
         self._update_status()
 
     def action_depth_step(self, step: int) -> None:
-        self.action_depth(self.depth + step)
+        """Along auto, 0, 1, .. MAX_DEPTH."""
+        at = DEPTH_ORDER.index(self.depth) if self.depth in DEPTH_ORDER else 0
+        self.action_depth(DEPTH_ORDER[max(0, min(len(DEPTH_ORDER) - 1, at + step))])
 
     async def action_toggle_highlight(self) -> None:
         on = not self.settings.highlight
@@ -526,6 +651,28 @@ class MtpChatApp(App):
         for view in self.chat_screen.query(MessageView):
             await view.set_highlight(on)
         self.notify("Acceptance highlights on" if on else "Acceptance highlights off", timeout=2)
+
+    def action_toggle_thinking(self) -> None:
+        """Thinking on / off from the next reply (the template's enable_thinking); a model without the switch
+        says why it has none."""
+        switch, reason = self.thinking_switch()
+        if not switch:
+            self.notify(f"Thinking cannot be switched: {reason}", severity="warning", timeout=5)
+            return
+        self.think = self.settings.think = not self.thinking_on()
+        self._save_settings()
+        self._update_status()
+        self.notify(f"Thinking {'on' if self.think else 'off'} from the next reply", timeout=2)
+
+    def on_resize(self, event) -> None:
+        self._fit_side(event.size.width)  # (the app's own size follows a moment later)
+
+    def _fit_side(self, width: int | None = None) -> None:
+        """The side panel is 46 columns wide: in a narrow terminal it would leave the chat a sliver, so there it
+        stays hidden until asked for (f3 / f4), and comes back when the terminal is wide again."""
+        if getattr(self, "chat_screen", None) is not None:
+            width = self.size.width if width is None else width
+            self.ui("#side").display = self.settings.side_panel and width >= NARROW_COLUMNS
 
     def action_pane(self, tab: str) -> None:
         side = self.ui("#side", TabbedContent)
@@ -558,16 +705,19 @@ class MtpChatApp(App):
             if new is None:
                 return
             depth_changed = new.depth != self.settings.depth
+            if new.think != self.settings.think:
+                self.think = new.think
             self.settings = new
             if depth_changed:
                 self.action_depth(new.depth)
+            self._update_status()
             self._save_settings()
             if new.system_prompt != self.conversation.system_prompt:
                 self.conversation.system_prompt = new.system_prompt
                 self.store.set_system_prompt(self.conversation.id, new.system_prompt)
             self.notify("Settings saved", timeout=2)
 
-        self.push_screen(SettingsScreen(self.settings, self.conversation.system_prompt), chosen)
+        self.push_screen(SettingsScreen(self.settings, self.conversation.system_prompt, self.thinking), chosen)
 
     def action_export(self) -> None:
         conv_id = self.conversation.id
@@ -648,10 +798,15 @@ class MtpChatApp(App):
     # command palette -------------------------------------------------------------------------------------
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
+        yield SystemCommand("Depth auto", "Speculation depth chosen per cycle (expected tokens per second)",
+                            lambda: self.action_depth(AUTO))
         for depth in range(DEPTH_KEYS + 1):
             label = "plain decoding" if depth == 0 else f"{depth} MTP draft token{'s' * (depth > 1)} per cycle"
             yield SystemCommand(f"Depth {depth}", f"Speculation depth {depth}: {label}",
                                 lambda d=depth: self.action_depth(d))
+        switch, reason = self.thinking_switch()
+        yield SystemCommand("Toggle thinking", "Reasoning on / off from the next reply (alt+t)" if switch
+                            else f"Unavailable: {reason}", self.action_toggle_thinking)
         yield SystemCommand("Toggle acceptance highlights", "Mark tokens that came from accepted MTP drafts",
                             self.action_toggle_highlight)
         yield SystemCommand("Timing pane", "Per-phase times, tokens/s, acceptance",
@@ -671,6 +826,30 @@ class MtpChatApp(App):
         yield SystemCommand("Help", "Keys and what they do", self.action_help)
 
 
+def warmup_text(done: int, total: int | None, what: str, first_run: bool) -> str:
+    """The status line during a warm-up: 'preparing kernels 3/9 · depth 1: first prompt', and on the first run
+    on a machine why it takes long."""
+    text = f"preparing kernels {done}/{total}" if total else "preparing kernels…"
+    if what:
+        text += f" · {what}"
+    if first_run:
+        text += " (first run on this machine: compiling kernels once)"
+    return text
+
+
+def conversation_tokens(messages) -> int | None:
+    """The tokens a conversation took when its last reply was made (its prompt and the reply, from the reply's
+    stats): 0 for an empty one, None when no finished reply says."""
+    if not messages:
+        return 0
+    for m in reversed(messages):
+        if m.role == "assistant" and m.stats:
+            prompt, generated = m.stats.get("prompt_tokens"), m.stats.get("generated_tokens")
+            if isinstance(prompt, int) and isinstance(generated, int):
+                return prompt + generated
+    return None
+
+
 def reserve_ui_core() -> None:
     """Leave one CPU core to the UI thread: torch's intra-op threads busy-wait, and when they take every core
     the UI thread and they slow each other down badly (measured on 2 cores: the tiny test model decoded at
@@ -687,7 +866,7 @@ def reserve_ui_core() -> None:
 
 
 def run_tui(model: str | None = None, depth: int | None = None, device: str | None = None,
-            dtype: str | None = None, tp: int = 1) -> int:
+            dtype: str | None = None, tp: int = 1, max_context: int | None = None, think: bool | None = None) -> int:
     """Run the TUI until the user quits; returns the exit status."""
     reserve_ui_core()
     try:  # tracebacks of failed loads and requests go to a file (the terminal belongs to the UI)
@@ -696,7 +875,7 @@ def run_tui(model: str | None = None, depth: int | None = None, device: str | No
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     except OSError:
         pass
-    loader = default_loader
+    loader = partial(default_loader, max_context=max_context)  # --max-context: every model the chat loads
     if tp > 1:  # rank 0 (this process) owns the UI; tp - 1 follower processes run the same cycles
         from multiprocessing import resource_tracker
 
@@ -705,7 +884,10 @@ def run_tui(model: str | None = None, depth: int | None = None, device: str | No
         # start multiprocessing's helper while the real stdio is still ours: spawning it from inside the
         # running app fails (Textual has replaced stderr)
         resource_tracker.ensure_running()
-        loader = tp_loader(tp)
-    app = MtpChatApp(model=model, depth=depth, device=device, dtype=dtype, loader=loader)
+        loader = tp_loader(tp, max_context)
+    # no warm-up under --tp: Engine.warm_up would run on rank 0 alone, and its collectives would wait for the
+    # followers forever (the chat's requests reach them through TPLeader.chat)
+    app = MtpChatApp(model=model, depth=depth, device=device, dtype=dtype, loader=loader,
+                     warm_up=False if tp > 1 else None, think=think)
     app.run()
     return app.return_code or 0

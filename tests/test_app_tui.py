@@ -7,11 +7,13 @@ import csv
 import json
 import os
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
 from app_support import home  # noqa: F401 (a fixture)
-from app_support import run_async, send, wait_loaded, wait_reply, wait_until, write_settings
+from app_support import (ScriptedEngine, run_async, scripted, send, wait_loaded, wait_reply, wait_until,
+                         write_settings)
 from fixtures import oom_on_the_second_verify
 from textual.widgets import DataTable, Input, Label, Markdown, Static
 
@@ -32,41 +34,6 @@ def model(ckpt) -> str:
 def draft_spans(view: MessageView) -> list:
     content = view.query_one(".reply-highlight", Static).visual
     return [s for s in content.spans if s.style == DRAFT_STYLE]
-
-
-class ScriptedEngine:
-    """Stands in for the engine on the decode thread and yields the events it is given, for what the real one
-    cannot be made to produce on demand (a character split over tokens, escape sequences in a reply). It has no
-    tokenizer: the app can take a token's text only from the engine's ``Tokens.pieces``."""
-
-    def __init__(self, events: list, name: str = "scripted"):
-        self.events = events
-        self.info = type("Info", (), {"name": name, "path": f"/models/{name}"})()
-
-    def diagnostics(self) -> dict:
-        return {}
-
-    def chat(self, messages, settings, control):
-        yield from self.events
-
-    def close(self) -> None:
-        pass
-
-
-def scripted(pieces: list[str], sources: list[str], name: str = "scripted") -> ScriptedEngine:
-    """An engine whose every reply is ``pieces`` (two Tokens events, then one cycle)."""
-    from engine import Cycle, Finished, Started, Tokens
-
-    half = len(pieces) // 2
-    chunks = [(pieces[:half], sources[:half]), (pieces[half:], sources[half:])]
-    events = [Started(prompt_tokens=3)]
-    for i, (p, s) in enumerate(chunks):
-        ids = list(range(10 * i, 10 * i + len(p)))
-        events.append(Tokens(token_ids=ids, sources=s, text="".join(p), pieces=p))
-    drafted = sources.count("draft")
-    events += [Cycle(0, drafted, drafted, drafted, [True] * drafted, {"verify": 1.0}, len(pieces)),
-               Finished(reason="eos", stats={})]
-    return ScriptedEngine(events, name)
 
 
 def raw_controls(text: str) -> set[str]:
@@ -495,3 +462,118 @@ async def test_the_transcript_follows_the_stream_only_from_the_bottom(home, mode
         await wait_until(pilot, at_bottom, 5, "following the stream again")
         await pilot.press("escape")
         await wait_reply(pilot, app)
+
+
+class StatusRecorder(MtpChatApp):
+    """The app, recording every status line it shows (a warm-up on the demo model takes a second or two on the
+    CPU: polling could miss its steps)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.statuses: list[str] = []
+
+    def _update_status(self) -> None:
+        super()._update_status()
+        self.statuses.append(str(self.ui("#status", Static).visual))
+
+
+def fresh_reply(text: str, settings: dict) -> str:
+    """The demo model's reply to `text` from a freshly loaded engine (no warm-up, no state)."""
+    from engine import GenerationSettings, Tokens, load_engine
+
+    engine = load_engine(str(DEMO), device="cpu")
+    events = engine.chat([{"role": "user", "content": text}], GenerationSettings(**settings))
+    return "".join(e.text for e in events if isinstance(e, Tokens))
+
+
+@run_async
+async def test_warm_up_shows_its_progress_and_leaves_no_state(home, monkeypatch):
+    for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):  # the fresh MTPCHAT_HOME's: nothing compiled yet
+        monkeypatch.delenv(var, raising=False)
+    write_settings(max_new_tokens=24, depth=2)
+    app = StatusRecorder(model=str(DEMO), warm_up=True)  # forced on: on the CPU the chat skips it
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.engine_state == "ready", 60, "the warm-up")
+        steps = [s for s in app.statuses if "preparing kernels" in s]
+        assert any("preparing kernels 1/7 · depth 0: long prompt" in s for s in steps)  # depths 0, 1, 2
+        assert any("preparing kernels 7/7 · depth 2: turn prompt" in s for s in steps)
+        # from the warm-up's start on (the line before it, at EngineLoaded, is a plain "preparing kernels…")
+        assert all("(first run on this machine: compiling kernels once)" in s for s in steps[1:])
+        assert "ready in " in app.statuses[-1] and "preparing" not in app.statuses[-1]
+        assert app.engine_diagnostics["reuse"]["history_tokens"] == 0  # the snapshot taken after the warm-up
+        await send(pilot, app, "hi, how are you?")
+        reply = await wait_reply(pilot, app, 30)
+        assert "ready in " not in app.statuses[-1]  # said once
+    assert reply.status == "complete"
+    assert reply.content == fresh_reply("hi, how are you?", dict(max_new_tokens=24, depth=2))
+
+
+def test_a_message_sent_during_the_warm_up_is_answered_after_it(home):
+    from app.worker import EngineLoaded, EngineWorker, Generate, ReplyFinished, WarmedUp, WarmupProgress
+
+    posted, done = [], threading.Event()
+    settings = dict(max_new_tokens=8, depth=1)
+
+    def post(message) -> None:  # on the engine thread
+        posted.append(message)
+        if isinstance(message, WarmupProgress) and message.done == 1:  # mid-warm-up: the user sends a message
+            worker.submit(Generate(1, [{"role": "user", "content": "hi"}], settings))
+        if isinstance(message, ReplyFinished):
+            done.set()
+
+    worker = EngineWorker(post, str(DEMO), "cpu", depth=1, warm_up=True)
+    worker.start()
+    try:
+        assert done.wait(120), "no reply"
+    finally:
+        worker.shutdown()
+    kinds = [type(m) for m in posted]
+    assert kinds.index(EngineLoaded) < kinds.index(WarmupProgress) < kinds.index(WarmedUp) < kinds.index(ReplyFinished)
+    assert [m.done for m in posted if isinstance(m, WarmupProgress)] == [0, 1, 2, 3, 4, 5]  # depths 0 and 1
+    warmed = next(m for m in posted if isinstance(m, WarmedUp))
+    assert warmed.error is None and warmed.ready_s >= warmed.seconds > 0
+    assert posted[-1].reason in ("eos", "length")
+
+
+class FailingWarmUp(ScriptedEngine):
+    def warm_up(self, depths, progress):
+        raise RuntimeError("ptxas failed\nwith a long log")
+
+
+@run_async
+async def test_a_failed_warm_up_is_a_notice_and_the_model_stays_usable(home):
+    from engine import Finished, Started, Tokens
+
+    engine = FailingWarmUp([Started(prompt_tokens=3), Tokens([5], ["target"], "ok", ["ok"]),
+                            Finished(reason="eos", stats={})])
+    app = MtpChatApp(loader=lambda *_: engine, warm_up=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.engine_state == "ready", 20, "the warm-up to end")
+        notices = [n.message for n in app._notifications]
+        assert notices == ["Preparing kernels failed: RuntimeError: ptxas failed (the first reply compiles them)"]
+        await send(pilot, app, "hello")
+        assert (await wait_reply(pilot, app)).content == "ok"
+
+
+@run_async
+async def test_a_narrow_terminal_hides_the_side_panel_until_asked(home, model):
+    """At 60 columns the 46-column side panel would leave the chat a sliver: hidden, f3 still opens it, and a
+    wide terminal shows it again."""
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await wait_loaded(pilot, app)
+        side = app.query_one("#side")
+        assert not side.display and app.query_one("#transcript").size.width > 40
+        await pilot.press("f3")
+        assert side.display
+        await pilot.press("f3")
+        await pilot.resize_terminal(140, 40)
+        await pilot.pause()
+        assert not side.display  # (closed by the user: stays closed)
+        await pilot.press("f3")
+        await pilot.resize_terminal(60, 20)
+        await pilot.pause()
+        assert not side.display
+        await pilot.resize_terminal(140, 40)
+        await pilot.pause()
+        assert side.display

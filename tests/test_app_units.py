@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import sqlite3
 
 import pytest
@@ -16,6 +17,8 @@ from app.export import ExportError, export_conversation, timing_csv
 from app.settings import Settings, load_settings, save_settings
 from app.store import MIGRATIONS, SCHEMA_VERSION, CycleRow, Store, StoreError, title_for
 from app.transcript import DRAFT_STYLE, code_blocks, highlighted, visible
+from app.tui import warmup_text
+from app.worker import should_warm_up
 from engine import Cycle
 
 
@@ -34,6 +37,39 @@ def test_paths_follow_mtpchat_home(home):
     assert paths.config_dir() == home / "config"
     assert paths.database_path().parent == home / "data"
     assert paths.exports_dir() == home / "data" / "exports"
+
+
+def test_kernel_caches_go_to_the_cache_folder_unless_the_user_set_them(home, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/users/own/triton")
+    assert paths.cache_dir() == home / "cache"  # MTPCHAT_HOME is honoured
+    paths.use_kernel_cache()
+    assert os.environ["TRITON_CACHE_DIR"] == "/users/own/triton"  # the user's setting wins
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(home / "cache" / "kernels" / "inductor")
+
+
+def test_an_empty_kernel_cache_is_the_first_run(home, monkeypatch):
+    for var in paths.KERNEL_CACHE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert paths.kernel_cache_empty()  # no folder yet
+    triton = paths.kernels_dir() / "triton"
+    triton.mkdir(parents=True)
+    assert paths.kernel_cache_empty()  # a folder, nothing compiled into it
+    (triton / "a-kernel").mkdir()
+    assert not paths.kernel_cache_empty()
+
+
+def test_warm_up_on_cuda_only_unless_forced():
+    assert should_warm_up("cuda:0") and should_warm_up("cuda")
+    assert not should_warm_up("cpu") and not should_warm_up("")
+    assert should_warm_up("cpu", forced=True) and not should_warm_up("cuda:0", forced=False)
+
+
+def test_warm_up_status_text():
+    assert warmup_text(0, None, "", False) == "preparing kernels…"
+    assert warmup_text(3, 9, "depth 1: first prompt", False) == "preparing kernels 3/9 · depth 1: first prompt"
+    assert warmup_text(3, 9, "depth 1: first prompt", True).endswith(
+        "(first run on this machine: compiling kernels once)")
 
 
 def test_store_saves_every_chunk_and_reopens(home):

@@ -69,6 +69,10 @@ def one_line(p, starts: str = "mtpchat: error: ") -> str:
     (["run", "--prompt", "hi", "--top-p", "0"], "argument --top-p: must be in (0, 1]"),
     (["bench", "--temperature", "inf"], "argument --temperature: must be a finite number"),
     (["run", "--prompt", "hi", "--tp", "0"], "argument --tp: must be at least 1"),
+    (["run", "--prompt", "hi", "--max-context", "0"], "argument --max-context: must be at least 128, got 0"),
+    (["run", "--prompt", "hi", "--max-context", "64k"], "argument --max-context: expected a whole number, got '64k'"),
+    (["chat", "--max-context", "-1"], "argument --max-context: must be at least 128, got -1"),
+    (["bench", "--max-context", "100"], "argument --max-context: must be at least 128, got 100"),
     (["run"], "one of the arguments --prompt --prompt-file is required"),
 ])
 def test_bad_flag_values_are_one_line(env, args, says):
@@ -83,7 +87,22 @@ def test_bad_flag_values_are_one_line(env, args, says):
 def test_max_new_tokens_beyond_the_models_context(env):
     p = cli(env, "run", "--model", DEMO, "--prompt", "hi", "--max-new-tokens", "5000", "--device", "cpu")
     line = one_line(p)
-    assert "--max-new-tokens 5000" in line and "context of 4096 tokens" in line, line
+    assert "--max-new-tokens 5000" in line and "context of 4,096 tokens" in line, line
+    assert p.returncode == 2 and p.stdout == b""
+
+
+def test_a_prompt_past_the_context_is_refused(env, tmp_path):
+    long = tmp_path / "long.txt"
+    long.write_text("hello world " * 200)
+    p = cli(env, "run", "--model", DEMO, "--prompt-file", str(long), "--max-context", "256", "--device", "cpu")
+    line = one_line(p)
+    assert p.returncode == 2 and p.stdout == b""
+    assert line.startswith("mtpchat: error: the prompt is ") and \
+        line.endswith(" tokens; the context is 256 (--max-context 256; the model's is 4,096)"), line
+    # --max-context bounds --max-new-tokens too (a reply is clipped only in the chat; `run` says so)
+    p = cli(env, "run", "--model", DEMO, "--prompt", "hi", "--max-context", "256", "--max-new-tokens", "300",
+            "--device", "cpu")
+    assert "exceeds the context of 256 tokens (--max-context 256" in one_line(p)
 
 
 # --- 3: text that is not UTF-8 --------------------------------------------------------------------------------
@@ -286,10 +305,12 @@ class FakeEngine:
         from engine import ModelInfo
 
         self.info = ModelInfo("fake", "/fake", "qwen3_next", "qwen3_next", 1, 1, "cpu", "float32")
-        self.trunk = argparse.Namespace(config=argparse.Namespace(max_position_embeddings=4096))
 
-    def encode_chat(self, messages):
+    def encode_chat(self, messages, think=None, template_vars=None):
         return [1, 2, 3]
+
+    def check_context(self, prompt_tokens, max_new_tokens=None):
+        pass  # (the real engine's check: test_max_new_tokens_beyond_the_models_context)
 
     def generate(self, prompt, settings, control=None):
         from engine import Finished, Started, Tokens

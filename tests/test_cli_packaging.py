@@ -20,7 +20,7 @@ def options() -> dict[str, set[str]]:
             for name, sp in sub.choices.items()}
 
 
-@pytest.mark.parametrize("command", ["chat", "run", "bench", "doctor", "models"])
+@pytest.mark.parametrize("command", ["chat", "run", "bench", "pull", "doctor", "models"])
 def test_bash_completion_offers_every_option(command):
     text = (ROOT / "packaging" / "completions" / "mtpchat.bash").read_text()
     line = re.search(rf'^\s*{command}\) opts="([^"]*)"', text, re.M)

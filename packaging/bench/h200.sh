@@ -11,6 +11,8 @@
 #   bash packaging/bench/h200.sh turns    # multi-turn TTFT on the 27B shape
 #   bash packaging/bench/h200.sh demo     # the demo model: greedy and sampled speed, precision report
 #   bash packaging/bench/h200.sh demo-compile  # the same model with --compile: speed and precision
+#   bash packaging/bench/h200.sh prefill  # 27B shape: prefill tok/s, TTFT, peak memory, decode at 200 .. 131072
+#                                         # prompt tokens; the demo model's MTP acceptance against context length
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
 set -uo pipefail
 [ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
@@ -85,5 +87,12 @@ demo-compile)  # the demo model with --compile: speed, and what compiling costs 
         --out "$OUT/bench_demo_gpu_compile.json"
   bench --precision --compile --model engine/assets/demo --depths 3 --max-new-tokens 128 \
         --out "$OUT/precision_demo_gpu_compile.json"
+  ;;
+prefill)  # issue #22 items 5-6 (about 8 minutes; the 27B shape's 131072-token prefill alone is tens of seconds a run)
+  timeout 420 python3 -m app.cli bench --random-weights qwen3.5-27b --prompt-tokens 200,2048,8192,32768,65536,131072 \
+        --depths 0 --max-new-tokens 32 --repeat 1 --no-hf --out "$OUT/prefill27b_h200.json" 2>&1 | tail -12
+  # up to the demo model's 4096 positions: 4000 prompt tokens + 96 new ones
+  timeout 150 python3 -m app.cli bench --model engine/assets/demo --prompt-tokens 128,1024,2048,4000 --depths 0,1,2,3 \
+        --drafter mtp --max-new-tokens 96 --no-hf --out "$OUT/accept_ctx_demo.json" 2>&1 | tail -20
   ;;
 esac

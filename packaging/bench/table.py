@@ -25,21 +25,41 @@ def table(path: Path) -> str:
             f"(median of {r['repeat']} warm runs); torch {v.get('torch')}, transformers {v.get('transformers')}, "
             f"FLA {v.get('flash-linear-attention') or '-'}, GDN kernels {r.get('backends', {}).get('gdn_recurrent', '?')}; "
             f"`{r.get('command', '')}` (`{path.name}`)")
-    rows = ["| depth | drafter | mode | tok/s | vs plain | acceptance | mean accepted length | commit + refresh | "
-            "same text |", "|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    lengths = any("tokens" in p for p in r.get("prompts", []))  # `bench --prompt-tokens`: a row per length
+    rows = [("| prompt tokens | prefill tok/s | TTFT ms " if lengths else "")
+            + "| depth | drafter | mode | tok/s | vs plain | acceptance | mean accepted length | commit + refresh | "
+            "same text |" + (" per-position acceptance | MTP head ms: priming / draft / refresh per cycle | "
+                             "peak GB |" if lengths else ""),
+            ("|---:|---:|---:" if lengths else "") + "|---:|---|---|---:|---:|---:|---:|---:|---|"
+            + ("---|---|---:|" if lengths else "")]
     failed = (r.get("cuda_graphs") or {}).get("failure")
     for x in r["results"]:
         mode = x.get("mode", "eager")
         mode = "eager (graph capture failed)" if failed and mode == "graphs" else mode
-        rows.append(f"| {x['depth']} | {x['drafter']} | {mode} | {x['tokens_per_s']:.1f} | "
-                    f"{(x.get('speedup') or 0):.2f}x | {x['acceptance_rate']:.2f} | {x['mean_accepted_length']:.2f} | "
-                    f"{own_share(x)} | { {True: 'yes', False: 'no', None: 'sampled'}[x['identical_to_plain']]} |")
+        row = (f"| {x['depth']} | {x['drafter']} | {mode} | {x['tokens_per_s']:.1f} | "
+               f"{(x.get('speedup') or 0):.2f}x | {x['acceptance_rate']:.2f} | {x['mean_accepted_length']:.2f} | "
+               f"{own_share(x)} | { {True: 'yes', False: 'no', None: 'sampled'}[x['identical_to_plain']]} |")
+        if lengths:
+            ph = x["phase_ms"]
+            head_ms = ("-" if not x["depth"] else f"{x.get('priming_ms') or 0:.1f} / {ph.get('draft', 0):.2f} / "
+                                                 f"{ph.get('refresh', 0):.2f}")
+            row = (f"| {x['prompt_tokens']} | {x['prefill_tokens_per_s'] or 0:.0f} | {x['ttft_ms']:.1f} " + row
+                   + f" {' '.join(f'{a:.2f}' for a in x['per_position_acceptance']) or '-'} | {head_ms} | "
+                   f"{x['peak_memory_bytes'] / 1e9:.2f} |")
+        rows.append(row)
     tail = [f"CUDA graphs: {failed}"] if failed else []
     if r.get("hf_generate_tokens_per_s"):
         runs = r.get("hf_generate_runs_tokens_per_s") or []
         spread = f", runs {min(runs):.1f}-{max(runs):.1f}" if len(runs) > 1 else ""
         tail.append(f"transformers `generate()`: {r['hf_generate_tokens_per_s']:.1f} tok/s{spread} "
                     f"(plain engine {r['plain_vs_hf']:.2f}x).")
+    if lengths:
+        copies = [f"{p['tokens']}: {p['text_copies']}" for p in r["prompts"] if "text_copies" in p]
+        tail.append(f"Prompts: {r['prompts'][0]['source']}"
+                    + (f" (copies of the text per length: {', '.join(copies)})" if copies else "")
+                    + f"; peak memory: {r['results'][0]['peak_memory_of']}"
+                    + (" (the process's high-water mark up to that row)." if "rss" in r["results"][0]["peak_memory_of"]
+                       else " during the row."))
     tp = r.get("tensor_parallel")
     per = " per GPU" if tp else ""
     if r.get("plain_fraction_of_hbm_peak"):
