@@ -413,7 +413,8 @@ class EngineWorker:
             settings = GenerationSettings(**command.settings)
             # a conversation past the context loses its oldest turns (the engine's reuse then restarts from a
             # snapshot on the kept prefix, or from zero: never from state of the dropped turns)
-            fitted = self.engine.fit_messages(command.messages, settings.max_new_tokens)
+            fitted = self.engine.fit_messages(command.messages, settings.max_new_tokens, settings.think,
+                                              settings.template_vars)
             if fitted.dropped:
                 self.post(HistoryTrimmed(rid, fitted.dropped, fitted.tokens, self.engine.context_limit))
             for event in self.engine.chat(fitted.messages, settings, control):

@@ -191,10 +191,13 @@ class Engine:
                               f"exceeds the context of {limit:,} tokens ({why}); at most "
                               f"{limit - prompt_tokens:,} new tokens here")
 
-    def fit_messages(self, messages: list[dict], reply_tokens: int) -> Fitted:
+    def fit_messages(self, messages: list[dict], reply_tokens: int, think: bool | None = None,
+                     template_vars: dict | None = None) -> Fitted:
         """The conversation to send so that it and `reply_tokens` of reply fit the context: the system prompt
-        kept, the oldest turns dropped (context.fit_messages). A conversation that fits comes back whole."""
-        return fit_messages(self.encode_chat, messages, self.context_limit, reply_tokens)
+        kept, the oldest turns dropped (context.fit_messages). A conversation that fits comes back whole. think,
+        template_vars: as the request renders it (encode_chat)."""
+        return fit_messages(lambda m: self.encode_chat(m, think, template_vars), messages, self.context_limit,
+                            reply_tokens)
 
     def chat(self, messages, settings: GenerationSettings, control: DecodeControl | None = None):
         return self.generate(self.encode_chat(messages, settings.think, settings.template_vars), settings, control)

@@ -87,7 +87,7 @@ class ScriptedEngine:
     def diagnostics(self) -> dict:
         return {}
 
-    def fit_messages(self, messages, reply_tokens):
+    def fit_messages(self, messages, reply_tokens, think=None, template_vars=None):
         from engine.context import Fitted
 
         return Fitted(list(messages), 0, None)  # no context limit to fit
