@@ -21,8 +21,6 @@ INDEX_FILE = "model.safetensors.index.json"
 # A config or an index is kilobytes (a 1T-parameter index is a few MiB): a JSON file bigger than this is not one,
 # and reading it whole would only exhaust memory.
 MAX_JSON_BYTES = 64 << 20
-# Quantized checkpoints (FP8, GPTQ, AWQ, ...) need dequantizing kernels the engine does not have yet.
-SUPPORTED_QUANT_METHODS: frozenset[str] = frozenset()
 _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
@@ -77,25 +75,51 @@ def model_dir(path: str | os.PathLike) -> Path:
     return p
 
 
-def quant_method(cfg: dict) -> str | None:
-    """The quant_method of config.json's quantization_config (top level, or in text_config); None when absent."""
+def quantization_config(cfg: dict) -> dict | None:
+    """config.json's quantization_config: at the top level (Qwen3.5's wrapped FP8 releases keep it there, and it
+    covers the text model) or in text_config; None when absent, {} when it is not an object."""
     text = cfg.get("text_config")
     for c in (cfg, text if isinstance(text, dict) else {}):
         q = c.get("quantization_config")
         if isinstance(q, dict):
-            return str(q.get("quant_method") or q.get("quant_type") or "unknown")
+            return q
         if q:
-            return "unknown"
+            return {}
+    return None
+
+
+def quant_method(cfg: dict) -> str | None:
+    """The quant_method of config.json's quantization_config; None when absent."""
+    q = quantization_config(cfg)
+    if q is None:
+        return None
+    return str(q.get("quant_method") or q.get("quant_type") or "unknown")
+
+
+def fp8_checkpoint(cfg: dict) -> bool:
+    """config.json declares the block-128 FP8 layout engine/fp8.py reads."""
+    return quant_method(cfg) == "fp8" and unsupported_quantization(cfg) is None
+
+
+def fp8_without_fp8_weights(cfg: dict, dtype_of: dict[str, str]) -> str | None:
+    """config.json declares FP8 but no tensor is FP8: a mislabelled (or badly converted) checkpoint, refused
+    rather than guessed at."""
+    if fp8_checkpoint(cfg) and not any(d.startswith("F8") for d in dtype_of.values()):
+        return "quantization_config says fp8 but no tensor is FP8 (a mislabelled checkpoint)"
     return None
 
 
 def unsupported_quantization(cfg: dict) -> str | None:
     """Why config.json's quantization cannot be run, or None. A quantization_config is never ignored: loading
     quantized weights as plain ones gives garbage."""
+    from .fp8 import config_problem
+
     method = quant_method(cfg)
-    if method is None or method in SUPPORTED_QUANT_METHODS:
+    if method is None:
         return None
-    why = ("FP8 checkpoints need block-scaled FP8 kernels" if method.startswith("fp8") else
+    if method == "fp8":
+        return config_problem(quantization_config(cfg))
+    why = ("other FP8 layouts need their own loaders" if method.startswith("fp8") else
            "quantized weights need dequantizing kernels")
     return f"quantization_config quant_method {method!r} is not supported yet ({why} the engine does not have); " \
            f"use the bf16 release"
@@ -155,6 +179,8 @@ class TensorFiles:
     dtype_of: dict[str, str] = field(default_factory=dict)
     # tensor parallelism: (name, full shape) -> tp.Selection of the rows / columns to read, or None for all of it
     slicer: object | None = None
+    # config.json declares block-128 FP8 (checkpoint.fp8_checkpoint): F8_E4M3 weights with their scales load
+    fp8: bool = False
 
     @classmethod
     def open(cls, root: Path) -> "TensorFiles":
@@ -197,27 +223,38 @@ class TensorFiles:
         return out
 
     def _check_dtype(self, name: str) -> None:
-        why = unloadable_dtype(name, self.dtype_of[name], self.file_of)
+        why = unloadable_dtype(name, self.dtype_of[name], self.file_of, self.fp8)
         if why:
             raise EngineError(f"{self.root / self.file_of[name]}: {why}")
 
 
-def unloadable_dtype(name: str, dtype: str, names) -> str | None:
+def unloadable_dtype(name: str, dtype: str, names, fp8: bool = False) -> str | None:
     """Why tensor `name`, stored as `dtype` (the header's spelling), cannot be loaded as a weight; None when it
-    can. names: every tensor in the checkpoint, where an FP8 weight's scale would be."""
+    can. names: every tensor in the checkpoint, where an FP8 weight's scale would be; fp8: config.json declares
+    block-128 FP8 (without it FP8 tensors are refused: their scales' layout is unknown)."""
     if dtype in _FLOAT_DTYPES:
         return None
     if dtype.startswith("F8"):
         scale = name.removesuffix(".weight") + ".weight_scale_inv"
+        if fp8 and dtype == "F8_E4M3" and scale in names:
+            return None
+        if fp8 and dtype == "F8_E4M3":
+            return f"FP8 tensor {name!r} has no {scale!r} (every FP8 weight needs its float32 block scale)"
+        if fp8:
+            return f"tensor {name!r} is {dtype}; config.json's fp8 quantization_config says e4m3 (F8_E4M3)"
         unscaled = "" if scale in names else f" without its scale {scale!r}"
-        return f"tensor {name!r} is FP8 ({dtype}){unscaled}; FP8 checkpoints are not supported yet: " \
-               f"use the bf16 release"
+        return f"tensor {name!r} is FP8 ({dtype}){unscaled} but config.json has no fp8 quantization_config " \
+               f"(block-128 FP8 needs quant_method 'fp8', weight_block_size [128, 128])"
     return f"tensor {name!r} is stored as {dtype}; weights must be floating point ({', '.join(_FLOAT_DTYPES[:3])})"
 
 
 def _check_finite(path: Path, name: str, t: torch.Tensor) -> None:
     # The sum is one pass without a tensor-sized temporary, and it is non-finite whenever any element is. A finite
     # tensor whose sum overflows float32 is then told apart by the exact (and costlier) element test.
+    if t.dtype == torch.float8_e4m3fn:  # no inf in e4m3fn; NaN is every bit of exponent and mantissa set
+        if ((t.view(torch.uint8) & 0x7F) == 0x7F).any():
+            raise EngineError(f"{path}: tensor {name!r} holds NaN values (a corrupt or badly converted checkpoint)")
+        return
     if not torch.isfinite(t.sum(dtype=torch.float32)) and not torch.isfinite(t).all():
         raise EngineError(f"{path}: tensor {name!r} holds NaN or infinite values (a corrupt or badly converted "
                           f"checkpoint)")

@@ -17,8 +17,8 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .checkpoint import (quant_method, read_header, read_json, unloadable_dtype, unsupported_quantization,
-                         weight_files)
+from .checkpoint import (fp8_checkpoint, fp8_without_fp8_weights, quant_method, read_header, read_json,
+                         unloadable_dtype, unsupported_quantization, weight_files)
 from .context import DTYPE_BYTES, ContextInfo, context_info, text_part, tokens_that_fit
 from .environment import (DeviceInfo, cuda_unavailable_reason, fla_status, format_bytes, probe_device,
                           run_dtype)
@@ -188,11 +188,12 @@ def inspect_model(path: str | os.PathLike, source: str = "folder", name: str | N
     cand.context = context_info(text_part(cfg), cand.mtp_layers)
 
     # what load refuses from config.json and the headers, in load's words
-    quantized = unsupported_quantization(cfg)
+    quantized = unsupported_quantization(cfg) or (tensors and fp8_without_fp8_weights(
+        cfg, {k: d for k, (d, _) in tensors.items()}))
     if quantized:
         problems.append(f"config.json: {quantized}")
     if fam is not None:
-        problems += unloadable_tensors(tensors, file_of, fam)[:1]
+        problems += unloadable_tensors(tensors, file_of, fam, fp8_checkpoint(cfg))[:1]
     if cand.mtp_layers_declared and not cand.mtp_layers and tensors:
         cand.notes.append(f"config declares {cand.mtp_layers_declared} MTP layer(s) but the checkpoint has no "
                           f"usable mtp.* tensors: plain decoding")
@@ -201,12 +202,12 @@ def inspect_model(path: str | os.PathLike, source: str = "folder", name: str | N
     return assess(cand, device) if device is not None else cand
 
 
-def unloadable_tensors(tensors: dict, file_of: dict[str, str], fam) -> list[str]:
+def unloadable_tensors(tensors: dict, file_of: dict[str, str], fam, fp8: bool = False) -> list[str]:
     """Why each tensor that load would read (trunk and MTP head, not a vision tower) cannot be loaded."""
     out = []
     for name, (dtype, _) in tensors.items():
         if fam.trunk_key(name) is not None or name.startswith("mtp."):
-            why = unloadable_dtype(name, dtype, tensors)
+            why = unloadable_dtype(name, dtype, tensors, fp8)
             if why:
                 out.append(f"{file_of[name]}: {why}")
     return out

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import fp8
+
 # (child module of a decoder layer, the Linear layers in it that read the same input, in output order)
 GROUPS = (
     ("linear_attn", ("in_proj_qkvz", "in_proj_ba")),
@@ -34,15 +36,33 @@ def fuse_layer(layer: torch.nn.Module) -> None:
         linears = [getattr(module, n) for n in names]
         if any(getattr(lin, "bias", None) is not None for lin in linears):  # (the router has none)
             continue
-        fused = torch.cat([lin.weight for lin in linears])
-        start = 0
-        for lin in linears:
-            rows = lin.weight.shape[0]
-            lin.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
-            start += rows
+        quantized = [isinstance(lin, fp8.FP8Linear) for lin in linears]
+        if any(quantized) and not (all(quantized) and all(lin.out_features % fp8.BLOCK == 0 for lin in linears)):
+            # FP8 parts concatenate with their scale rows only when each part's N is whole 128-row blocks (a
+            # part's last scale row would otherwise cover the next part's rows too); a group mixing FP8 and plain
+            # weights (Qwen3.5's GDN: in_proj_b / in_proj_a stay bf16) has no one dtype: both stay unfused
+            continue
+        fused = _concat(linears, "weight")
         # a buffer, so that a later module.to(...) converts it with the weights (they then stop sharing memory)
         module.register_buffer("fused_weight", fused, persistent=False)
+        if all(quantized):
+            module.register_buffer("fused_scale_inv", _concat(linears, "weight_scale_inv"), persistent=False)
         module.fused_names, module.fused_sizes = names, [lin.weight.shape[0] for lin in linears]
+
+
+def _concat(linears, attr: str) -> torch.Tensor:
+    """The Linear layers' `attr` tensors concatenated along N; each layer's own becomes a view of its rows."""
+    fused = torch.cat([getattr(lin, attr) for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = getattr(lin, attr).shape[0]
+        part = fused[start : start + rows]
+        if attr == "weight":
+            lin.weight = torch.nn.Parameter(part, requires_grad=False)
+        else:
+            setattr(lin, attr, part)  # (a registered buffer: assigning a tensor keeps it one)
+        start += rows
+    return fused
 
 
 def fuse_all(layers) -> None:
@@ -54,7 +74,10 @@ def fuse_all(layers) -> None:
 def linears(module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
     """The outputs of module's Linear layers `names` on x: one matmul when they were fused, else one each."""
     if getattr(module, "fused_names", None) == names:
-        return list(F.linear(x, module.fused_weight).split(module.fused_sizes, dim=-1))
+        w = module.fused_weight
+        if fp8.is_fp8(w):
+            w = fp8.dequantize(w, module.fused_scale_inv, x.dtype)
+        return list(F.linear(x, w).split(module.fused_sizes, dim=-1))
     return [getattr(module, n)(x) for n in names]
 
 

@@ -476,7 +476,8 @@ def default_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
 
 def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> Loaded:
     """tp: a tp.TPGroup: load only this rank's shard (see tp.py); None: the whole model on one device."""
-    from .checkpoint import unsupported_quantization
+    from . import fp8
+    from .checkpoint import fp8_checkpoint, fp8_without_fp8_weights, unsupported_quantization
     from .mtp import MTPHead, MTPUnusable
 
     root = model_dir(path)
@@ -491,6 +492,12 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> 
         raise EngineError(f"{where}: {quantized}")
     cfg = family.text_config(raw, where)
     files = TensorFiles.open(root)
+    files.fp8 = fp8_checkpoint(raw)
+    mislabelled = fp8_without_fp8_weights(raw, files.dtype_of)
+    if mislabelled:
+        raise EngineError(f"{where}: {mislabelled}")
+    if files.fp8 and tp is not None:  # a rank's slice of a weight would need the matching slice of its scales
+        raise EngineError(f"{where}: --tp does not read FP8 checkpoints yet; run on one device")
     plan = None
     if tp is not None:  # modules from the rank's local config; only the rank's slices are read
         from .tp import ShardPlan
@@ -509,12 +516,16 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> 
     tensors = files.load(names, device="cpu" if dev.type == "cpu" else str(dev))
     sd = {family.trunk_key(k): v for k, v in tensors.items()}
     origin = {family.trunk_key(k): files.file_of[k] for k in names}
+    if files.fp8:  # FP8 linears become fp8.FP8Linear (on the meta device still), the rest is dequantized
+        sd = fp8.adopt(lm, sd, dt, lambda k: root / origin.get(k, "?"))
+        expected = lm.state_dict()
     sd = convert_gdn_layout(fuse_experts(sd), set(expected), cfg)
     if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:
         emb = sd["model.embed_tokens.weight"]  # tied embeddings
         sd["lm_head.weight"] = emb if plan is None else plan.vocab_rows(emb)
     _check_tensors(root, expected, sd, origin, what="trunk")
-    lm.load_state_dict({k: v.to(dt) for k, v in sd.items()}, strict=True, assign=True)
+    lm.load_state_dict({k: v if fp8.keeps_dtype(k, v) else v.to(dt) for k, v in sd.items()}, strict=True,
+                       assign=True)
     del tensors, sd  # the modules hold the weights now; fusing below then frees each original after its copy
     # Non-persistent buffers (rotary frequencies) are not in the checkpoint: build them for real. The family's
     # own rotary module stays for transformers' generate() (the bench baseline); the engine uses its own.

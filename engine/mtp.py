@@ -12,6 +12,7 @@ import copy
 import torch
 from torch import nn
 
+from . import fp8
 from .cache import KVCache
 from .errors import EngineError
 from .families import fuse_experts
@@ -57,7 +58,15 @@ class MTPHead(nn.Module):
             head = cls(cls.layer_config(config, has_experts), family, n_layers)
         expected = head.state_dict()
         sd = files.load(keys, device="cpu" if trunk.device.type == "cpu" else str(trunk.device))
-        sd = fuse_experts({k[len("mtp."):]: v for k, v in sd.items()})
+        sd = {k[len("mtp."):]: v for k, v in sd.items()}
+        if files.fp8:  # the head's linears are FP8 too (only its norms are not): as the trunk's (model.load)
+            try:
+                sd = fp8.adopt(head, sd, dtype, lambda k: files.root / files.file_of.get("mtp." + k, "?"),
+                               named="mtp.")
+            except EngineError as e:  # the trunk still chats
+                raise MTPUnusable(str(e)) from None
+            expected = head.state_dict()
+        sd = fuse_experts(sd)
         missing = [k for k in expected if k not in sd]
         if missing:
             raise MTPUnusable(f"partial MTP head: tensor 'mtp.{missing[0]}' is missing "
@@ -68,7 +77,8 @@ class MTPHead(nn.Module):
         for k, t in expected.items():
             if tuple(sd[k].shape) != tuple(t.shape):
                 raise MTPUnusable(f"MTP tensor 'mtp.{k}' has shape {tuple(sd[k].shape)}, expected {tuple(t.shape)}")
-        head.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
+        head.load_state_dict({k: v if fp8.keeps_dtype(k, v) else v.to(dtype) for k, v in sd.items()}, strict=True,
+                             assign=True)
         head.to(trunk.device).eval()
         return head.attach(trunk)
 

@@ -428,3 +428,52 @@ def oom_on_the_second_verify(forward):
         return forward(tokens, *a, **k)
 
     return flaky
+
+
+# --- FP8 (Qwen's official block-128 layout) ------------------------------------------------------------------
+
+# What Qwen's FP8 releases leave unquantized (their modules_to_not_convert, in substance): embeddings, lm_head,
+# norms, GDN in_proj_a / in_proj_b (Qwen3-Next packs them as in_proj_ba), the router and the shared-expert gate,
+# the vision tower.
+FP8_NOT_CONVERTED = ["model.embed_tokens", "model.language_model.embed_tokens", "lm_head", "linear_attn.in_proj_a",
+                     "linear_attn.in_proj_b", "linear_attn.in_proj_ba", "mlp.gate", "mlp.shared_expert_gate",
+                     "model.visual"]
+
+
+def fp8_eligible(key: str, t: torch.Tensor) -> bool:
+    """A linear weight Qwen's FP8 releases quantize (norms are 1-D, the conv 3-D: neither is eligible)."""
+    if not key.endswith(".weight") or t.dim() != 2:
+        return False
+    module = key[: -len(".weight")]
+    return not any(module.endswith(n) or module.startswith(n + ".") for n in FP8_NOT_CONVERTED)
+
+
+def write_fp8_checkpoint(src: Path, dst: Path, twin: Path) -> tuple[Path, Path]:
+    """Convert the checkpoint at src into Qwen's FP8 layout at dst (each eligible linear weight quantized per
+    128x128 block: `*.weight` float8_e4m3fn, `*.weight_scale_inv` float32, and the quantization_config), and
+    write at twin the same model with those weights exactly dequantized, in float32: the oracle's checkpoint."""
+    from engine.fp8 import dequantize, quantize
+
+    for out in (dst, twin):
+        shutil.copytree(src, out)
+    for f in _files(src):
+        fp8, plain = {}, {}
+        for k, v in load_file(f).items():
+            if fp8_eligible(k, v):
+                q, s = quantize(v)
+                fp8[k], fp8[k[: -len(".weight")] + ".weight_scale_inv"] = q, s
+                plain[k] = dequantize(q, s, torch.float32)
+            else:
+                fp8[k] = plain[k] = v
+        save_file(fp8, dst / f.name, metadata={"format": "pt"})
+        save_file(plain, twin / f.name, metadata={"format": "pt"})
+    index = dst / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k: f.name for f in _files(dst) for k in load_file(f)}
+        index.write_text(json.dumps(data, indent=2))
+    conf = json.loads((dst / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                   "weight_block_size": [128, 128], "modules_to_not_convert": FP8_NOT_CONVERTED}
+    (dst / "config.json").write_text(json.dumps(conf, indent=2))
+    return dst, twin

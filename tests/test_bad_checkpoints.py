@@ -131,13 +131,15 @@ CASES = {
     "fp8_without_scales": ("next", edit_tensors(to_fp8), "without its scale", True),
     "fp8_with_scales_no_quantization_config": (
         "next", edit_tensors(lambda t: to_fp8(t, with_scales=True)),
-        "is FP8 (F8_E4M3); FP8 checkpoints are not supported yet: use the bf16 release", True),
-    "fp8_checkpoint": ("next", lambda p: (edit_tensors(lambda t: to_fp8(t, with_scales=True))(p),
-                                          edit_config(lambda c: c.__setitem__("quantization_config", FP8))(p)),
-                       "config.json: quantization_config quant_method 'fp8' is not supported yet (FP8 checkpoints",
-                       True),
+        "is FP8 (F8_E4M3) but config.json has no fp8 quantization_config", True),
+    # (discovery reads the headers' dtypes, not whether each scale's shape fits its weight: load says it)
+    "fp8_checkpoint_with_scales_of_the_wrong_shape": (
+        "next", lambda p: (edit_tensors(lambda t: to_fp8(t, with_scales=True))(p),
+                           edit_config(lambda c: c.__setitem__("quantization_config", FP8))(p)),
+        "model.safetensors: tensor 'model.layers.0.linear_attn.out_proj.weight_scale_inv' has shape (1,); FP8 "
+        "weight", False),
     "fp8_tagged_bf16_weights": ("next", edit_config(lambda c: c.__setitem__("quantization_config", FP8)),
-                                "config.json: quantization_config quant_method 'fp8' is not supported yet", True),
+                                "config.json: quantization_config says fp8 but no tensor is FP8", True),
     "quantization_config_in_text_config": (
         "q35", set_text("quantization_config", {"quant_method": "gptq"}),
         "config.json: quantization_config quant_method 'gptq' is not supported yet (quantized weights need "

@@ -207,11 +207,11 @@ def test_mtp_layers_from_tensors_and_config(env, tmp_path):
 def test_quantized_is_reported_unsupported(env, tmp_path):
     q = _copy(env["next"], tmp_path / "fp8")
     cfg = json.loads((q / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 64]}
     (q / "config.json").write_text(json.dumps(cfg))
     c = inspect_model(q, device=BIG)
     assert c.quantization == "fp8" and not c.supported
-    assert c.reason.startswith("config.json: quantization_config quant_method 'fp8' is not supported yet")
+    assert c.reason.startswith("config.json: quantization_config fp8 weight_block_size [128, 64] is not supported")
 
 
 def test_headers_only_never_tensor_data(tmp_path):

@@ -62,7 +62,11 @@ def test_greedy_equals_transformers_generate(name, engines, hf_models):
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 def test_mtp_speculation_equals_plain(name, depth, engines):
-    engine = engines(name)
+    assert_speculation_equals_plain(engines(name), depth)
+
+
+def assert_speculation_equals_plain(engine, depth: int) -> None:
+    """MTP speculation at `depth` gives plain decoding's tokens, with drafts accepted and rejected."""
     prompt = engine.encode_chat(PROMPTS[0])
     plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=40)
     spec, sources, fin = decode(engine, prompt, depth=depth, max_new_tokens=40)

@@ -181,8 +181,8 @@ REFUSALS = {
     "pickle only": (lambda ckpt, tmp: _pickle_only(ckpt("next"), tmp / "pickle"), None,
                     ["no .safetensors weights", "pytorch_model.bin", "never loaded"]),
     "FP8": (lambda ckpt, tmp: _with_config(ckpt("next"), tmp / "fp8", lambda c: c.update(
-        quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})), None,
-        ["config.json: quantization_config quant_method 'fp8' is not supported yet"]),
+        quantization_config={"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]})), None,
+        ["config.json: quantization_config fp8 fmt 'e5m2' is not supported (only 'e4m3')"]),
     "family": (lambda ckpt, tmp: _with_config(ckpt("next"), tmp / "llama", lambda c: c.update(model_type="llama")),
                None, ["unsupported model_type 'llama'", "qwen3_next"]),
     "disk": (lambda ckpt, tmp: ckpt("next"), {"model.safetensors": 1 << 60},

@@ -1,0 +1,190 @@
+"""Qwen's block-128 FP8 checkpoints, weight-only on the CPU in float32: the engine's output equals transformers
+running the exactly-dequantized twin, plain and speculative; bad FP8 input is refused in one line."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers as tf
+from safetensors.torch import load_file, save_file
+
+from engine import fp8, load_engine
+from engine.errors import EngineError
+from engine.model import load
+from fixtures import write_checkpoint, write_fp8_checkpoint
+from test_exactness import PROMPTS, assert_speculation_equals_plain, decode
+
+# hidden 128, every projection's N a multiple of 128: whole blocks, the fused FP8 projections concatenate
+BLOCKS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+              linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+              layer_types=["linear_attention", "full_attention"])
+# name -> (family, options): the tiny fixtures' dims (16..96) are below 128: one partial block per matrix
+FP8_FIXTURES = {
+    "next": ("qwen3_next", {}),
+    "blocks": ("qwen3_next", BLOCKS),
+    "next_moe": ("qwen3_next", {"moe": True, "per_expert": True, "seed": 3}),
+    "q35": ("qwen3_5", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory):
+    """fp8_ckpt(name) -> (FP8 checkpoint, its dequantized float32 twin), written once per module."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            family, opts = FP8_FIXTURES[name]
+            root = tmp_path_factory.mktemp(f"fp8_{name}")
+            src = write_checkpoint(root / "src", family, **opts)
+            made[name] = write_fp8_checkpoint(src, root / "fp8", root / "twin")
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def fp8_engine(fp8_ckpt):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = load_engine(str(fp8_ckpt(name)[0]))
+        return cache[name]
+
+    return get
+
+
+def test_dequantize_is_blockwise_with_partial_edge_blocks():
+    w = torch.randn(200, 300)
+    q, s = fp8.quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 3) and s.dtype == torch.float32
+    d = fp8.dequantize(q, s, torch.float32)
+    # element (150, 290) is in block (1, 2): its value is the stored e4m3 value times that block's scale
+    assert d[150, 290] == q[150, 290].float() * s[1, 2]
+    assert (d - w).abs().max() <= w.abs().max() / 8  # e4m3 has 3 mantissa bits: within 1/16 of the block max
+
+
+@pytest.mark.parametrize("name", list(FP8_FIXTURES))
+def test_fp8_greedy_equals_transformers_on_the_dequantized_twin(name, fp8_ckpt, fp8_engine):
+    path, twin = fp8_ckpt(name)
+    engine = fp8_engine(name)
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.float32).eval()
+    for messages in PROMPTS:
+        prompt = engine.encode_chat(messages)
+        ours, _, _ = decode(engine, prompt, depth=0, prefill_chunk=7)
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        assert ours == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", list(FP8_FIXTURES))
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_fp8_mtp_speculation_equals_plain(name, depth, fp8_engine):
+    assert_speculation_equals_plain(fp8_engine(name), depth)
+
+
+def _layer(engine, kind):
+    trunk = engine.trunk
+    return next(l for l, k in zip(trunk.layers, trunk.kinds) if k == kind)
+
+
+def test_fp8_weights_stay_fp8_and_whole_blocks_fuse(fp8_engine):
+    small, blocks = fp8_engine("next"), fp8_engine("blocks")
+    for engine in (small, blocks):
+        attn = _layer(engine, "full_attention").self_attn
+        assert isinstance(attn.q_proj, fp8.FP8Linear) and attn.q_proj.weight.dtype == torch.float8_e4m3fn
+        assert isinstance(engine.mtp_drafter.head.fc, fp8.FP8Linear)  # the MTP head's linears are FP8 too
+        gdn = _layer(engine, "linear_attention").linear_attn
+        assert type(gdn.in_proj_ba) is torch.nn.Linear and gdn.in_proj_ba.weight.dtype == torch.float32
+        assert engine.trunk.lm.lm_head.weight.dtype == torch.float32
+    # whole blocks: q / k / v (256 + 128 + 128 rows) and gate / up are one FP8 weight with its scale rows
+    attn, mlp = _layer(blocks, "full_attention").self_attn, _layer(blocks, "full_attention").mlp
+    assert attn.fused_weight.dtype == torch.float8_e4m3fn and attn.fused_scale_inv.shape == (4, 1)
+    assert attn.k_proj.weight_scale_inv.data_ptr() == attn.fused_scale_inv[2:3].data_ptr()
+    assert mlp.fused_weight.dtype == torch.float8_e4m3fn
+    # the tiny dims (k_proj: 32 rows) are not whole blocks: not fused
+    assert not hasattr(_layer(small, "full_attention").self_attn, "fused_weight")
+
+
+def test_fp8_experts_are_dequantized_at_load(fp8_engine):
+    engine = fp8_engine("next_moe")
+    moe = next(l.mlp for l in engine.trunk.layers if hasattr(l.mlp, "experts"))
+    assert moe.experts.gate_up_proj.dtype == torch.float32  # per-expert FP8 stacked in the model dtype
+    assert isinstance(moe.shared_expert.gate_proj, fp8.FP8Linear)
+    assert type(moe.gate) is not fp8.FP8Linear and moe.gate.weight.dtype == torch.float32
+
+
+def test_discovery_reports_the_fp8_bytes(fp8_ckpt):
+    from engine.discovery import inspect_model
+
+    path, twin = fp8_ckpt("blocks")
+    q, plain = inspect_model(path), inspect_model(twin)
+    assert q.supported and q.quantization == "fp8" and q.reason == "", q.reason
+    assert plain.quantization is None
+    assert q.disk_bytes < 0.6 * plain.disk_bytes  # FP8 linears: 1 byte a weight instead of 4
+
+
+# --- bad input -----------------------------------------------------------------------------------------------
+
+def _damaged(fp8_ckpt, tmp_path, edit_tensors=None, edit_config=None):
+    path = tmp_path / "bad"
+    shutil.copytree(fp8_ckpt("next")[0], path)
+    if edit_tensors:
+        f = path / "model.safetensors"
+        tensors = load_file(f)
+        edit_tensors(tensors)
+        save_file(tensors, f, metadata={"format": "pt"})
+    if edit_config:
+        conf = json.loads((path / "config.json").read_text())
+        edit_config(conf["quantization_config"])
+        (path / "config.json").write_text(json.dumps(conf))
+    return path
+
+
+Q_PROJ = "model.layers.1.self_attn.q_proj"
+
+
+def _refusal(path) -> str:
+    with pytest.raises(EngineError) as e:
+        load(str(path))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda t: t.pop(Q_PROJ + ".weight_scale_inv"),
+     f"model.safetensors: FP8 tensor '{Q_PROJ}.weight' has no '{Q_PROJ}.weight_scale_inv'"),
+    (lambda t: t.__setitem__(Q_PROJ + ".weight_scale_inv", torch.ones(2, 1)),
+     f"tensor '{Q_PROJ}.weight_scale_inv' has shape (2, 1); FP8 weight '{Q_PROJ}.weight' (128, 64) in 128x128 "
+     f"blocks needs (1, 1)"),
+    (lambda t: t.__setitem__(Q_PROJ + ".weight", t[Q_PROJ + ".weight"].float().to(torch.float8_e5m2)),
+     f"tensor '{Q_PROJ}.weight' is F8_E5M2; config.json's fp8 quantization_config says e4m3"),
+])
+def test_bad_fp8_tensors_are_one_line(edit, says, fp8_ckpt, tmp_path):
+    assert says in _refusal(_damaged(fp8_ckpt, tmp_path, edit_tensors=edit))
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda q: q.__setitem__("fmt", "e5m2"), "quantization_config fp8 fmt 'e5m2' is not supported (only 'e4m3')"),
+    (lambda q: q.__setitem__("weight_block_size", [64, 64]),
+     "quantization_config fp8 weight_block_size [64, 64] is not supported (only [128, 128])"),
+    (lambda q: q.pop("weight_block_size"), "quantization_config fp8 has no weight_block_size (per-tensor FP8)"),
+    (lambda q: q.__setitem__("quant_method", "fp8_blockwise"),
+     "quantization_config quant_method 'fp8_blockwise' is not supported yet"),
+])
+def test_bad_fp8_configs_are_one_line_for_load_and_discovery(edit, says, fp8_ckpt, tmp_path):
+    from engine.discovery import inspect_model
+
+    path = _damaged(fp8_ckpt, tmp_path, edit_config=edit)
+    assert f"config.json: {says}" in _refusal(path)
+    c = inspect_model(path)
+    assert not c.supported and says in c.reason
+
+
+def test_a_bad_mtp_scale_falls_back_to_plain_decoding(fp8_ckpt, tmp_path):
+    path = _damaged(fp8_ckpt, tmp_path, edit_tensors=lambda t: t.__setitem__("mtp.fc.weight_scale_inv",
+                                                                             torch.ones(3, 3)))
+    loaded = load(str(path))
+    assert loaded.mtp is None
+    assert any("tensor 'mtp.fc.weight_scale_inv' has shape (3, 3)" in f.reason for f in loaded.fallbacks)
