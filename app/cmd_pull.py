@@ -40,6 +40,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "download nothing")
     p.add_argument("--device", default=None, metavar="D",
                    help="size the model for this device: auto (default), cpu, cuda or cuda:N")
+    # For the chat's download tab (app/downloads.py), which runs the pull as a child process: JSON lines on
+    # stdout (the plan, each file's progress, the folder) instead of the library's bars; errors stay on stderr.
+    p.add_argument("--progress-json", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -102,9 +105,39 @@ def _run(args: argparse.Namespace) -> int:
         say("dry run: nothing downloaded")
         return 0
     before = len(plan.notes)
-    path = hub.download(plan, quiet=args.quiet)
+    if args.progress_json:
+        path = _download_reporting(hub, plan)
+    else:
+        path = hub.download(plan, quiet=args.quiet)
     for note in plan.notes[before:]:
         say(f"note: {note}")
+    if args.progress_json:
+        _event(path=path)
+        return 0
     write_out(f"{path}\n")
     say(f"done: `mtpchat models` lists it; `mtpchat chat --model {path}` opens it")
     return 0
+
+
+def _event(**fields) -> None:
+    import json
+
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def _download_reporting(hub, plan) -> str:
+    """hub.download with each file's progress as JSON lines, at most ~10 a second per file (and always the
+    first and last), so the reader is not flooded by the library's chunk-sized updates."""
+    import time
+
+    _event(plan=plan.summary(), files=plan.files, snapshot=str(hub.snapshot_dir(plan)))
+    last: dict[str, float] = {}
+
+    def progress(name: str, done: int, total: int | None) -> None:
+        now = time.monotonic()
+        if done in (0, total) or now - last.get(name, 0.0) >= 0.1:
+            last[name] = now
+            _event(file=name, done=done, total=total)
+
+    return hub.download(plan, quiet=True, progress=progress)

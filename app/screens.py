@@ -14,13 +14,15 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Checkbox, DataTable, Input, Label, Select, Static, TextArea
+from textual.widgets import (Button, Checkbox, DataTable, Input, Label, ProgressBar, Select, Static, TabbedContent,
+                             TabPane, TextArea)
 
-from engine import fit_text
+from engine import fit_text, format_bytes, format_tokens
 
+from .downloads import CONFIRM
 from .export import FORMATS, ExportError
 from .panes import human_count
-from .safe_text import terminal_safe
+from .safe_text import first_line, terminal_safe
 from .settings import Settings, format_template_vars, parse_depth, parse_template_vars
 
 
@@ -41,7 +43,7 @@ KEYS: list[tuple[str, str]] = [
     ("alt+- / alt+=", "depth down / up along auto, 0, 1, … (and +/- when the input is not focused)"),
     ("f2", "toggle acceptance highlights (accepted MTP drafts marked)"),
     ("f3 / f4", "timing pane / diagnostics pane (again: hide)"),
-    ("f5", "model picker (switch without restarting)"),
+    ("f5", "model picker (switch without restarting); its Download tab fetches a model, f8 cancels"),
     ("f6", "settings: system prompt, sampling, max tokens"),
     ("f7", "export transcript (Markdown, JSON) and timing log (CSV, JSONL)"),
     ("ctrl+n", "new chat"),
@@ -238,33 +240,54 @@ def _cell(value) -> Text:
 
 
 class ModelPickerScreen(Dialog):
-    """Discovered models (``engine.discover``) plus a path field; returns the chosen path."""
+    """Discovered models (``engine.discover``) plus a path field; returns the chosen path. The Download tab
+    lists the catalogue and runs the app's download (app/downloads.py); a finished one is returned the same way."""
 
-    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    BINDINGS = [Binding("escape", "cancel", "Cancel"),
+                Binding("f8", "cancel_download", "Cancel download", priority=True)]  # Input keeps ctrl+x: cut
 
-    def __init__(self, current: str | None = None, discover: Callable[[], list] | None = None):
+    def __init__(self, current: str | None = None, discover: Callable[[], list] | None = None,
+                 device: str | None = None):
         super().__init__()
         self.current = current
         self._discover = discover
+        self._device = device
         self.candidates: list = []
+        self.catalogue: list = []  # catalogue.Fit per row of the Download tab
+        self._confirm: str | None = None  # a ref whose finding the user may accept by asking again
+        self._bars: dict[str, tuple[ProgressBar, Label]] = {}
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog", id="models-dialog"):
             yield Label("Models", classes="dialog-title")
             yield Label(f"loaded: {terminal_safe(self.current or '—')}", id="models-current", markup=False)
-            table = DataTable(id="models-table", cursor_type="row", zebra_stripes=True)
-            table.add_columns("name", "family", "params", "MTP", "fits", "context fits", "status")
-            yield table
-            yield Label("searching…", id="models-status")
-            yield Label("or a model folder (HF layout):")
-            yield Input(placeholder="/path/to/checkpoint", id="models-path")
-            with Horizontal(classes="buttons"):
-                yield Button("Load", id="load", variant="primary")
-                yield Button("Cancel", id="cancel")
+            with TabbedContent(id="models-tabs"):
+                with TabPane("Installed", id="tab-installed"):
+                    table = DataTable(id="models-table", cursor_type="row", zebra_stripes=True)
+                    table.add_columns("name", "family", "params", "MTP", "fits", "context fits", "status")
+                    yield table
+                    yield Label("searching…", id="models-status")
+                    yield Label("or a model folder (HF layout):")
+                    yield Input(placeholder="/path/to/checkpoint", id="models-path")
+                    with Horizontal(classes="buttons"):
+                        yield Button("Load", id="load", variant="primary")
+                        yield Button("Cancel", id="cancel")
+                with TabPane("Download", id="tab-download"):
+                    table = DataTable(id="catalogue-table", cursor_type="row", zebra_stripes=True)
+                    table.add_columns("name", "size", "fits here", "MTP", "context", "status")
+                    yield table
+                    yield Label("or a repository id (ORG/NAME[@REVISION]):")
+                    yield Input(placeholder="Qwen/Qwen3.5-9B", id="download-ref")
+                    yield Label("enter downloads the highlighted model · f8 cancels", id="download-status",
+                                markup=False)
+                    yield Vertical(id="download-files")
 
     def on_mount(self) -> None:
         self.query_one("#models-table", DataTable).focus()
         self.discover_models()
+        self.size_catalogue()
+        self.set_interval(0.2, self._show_download)
+        self._show_download()
 
     @work(thread=True, exclusive=True)
     def discover_models(self) -> None:
@@ -328,6 +351,109 @@ class ModelPickerScreen(Dialog):
     @on(Button.Pressed, "#cancel")
     def _cancel(self) -> None:
         self.dismiss(None)
+
+
+    @on(TabbedContent.TabActivated, "#models-tabs")
+    def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        # into the tab's table: TabbedContent shows the tab of the focused widget, so focus left in the other
+        # tab would switch straight back to it
+        table = "#catalogue-table" if event.pane.id == "tab-download" else "#models-table"
+        self.query_one(table, DataTable).focus()
+
+    # the Download tab ----------------------------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="catalogue")
+    def size_catalogue(self) -> None:
+        """The catalogue sized for this machine's device (a probe: a thread, as discovery is)."""
+        try:
+            from engine import catalogue, probe_device
+
+            device = probe_device(self._device)
+            fits, error = [catalogue.fit(e, device) for e in catalogue.entries()], None
+        except Exception as exc:  # a broken device probe must not break the picker
+            fits, error = [], f"{type(exc).__name__}: {exc}"
+        self.app.call_from_thread(self._show_catalogue, fits, error)
+
+    def _show_catalogue(self, fits: list, error: str | None) -> None:
+        self.catalogue = fits
+        table = self.query_one("#catalogue-table", DataTable)
+        table.clear()
+        for index, f in enumerate(fits):
+            e = f.entry
+            refused = e.unsupported()
+            status = f"not yet: {e.format} not supported" if refused else ("ok" if f.fits else f.reason)
+            table.add_row(*map(_cell, (e.name, f"{e.approx('download_gb')}{e.download_gb:g} GB", _yes(f.fits),
+                                       _yes(e.mtp), format_tokens(e.context), status)), key=str(index))
+        if error:
+            self._say(f"could not size the catalogue: {error}")
+
+    @on(DataTable.RowSelected, "#catalogue-table")
+    def _pick_download(self, event: DataTable.RowSelected) -> None:
+        entry = self.catalogue[int(event.row_key.value)].entry
+        if entry.unsupported():  # refused before any request, as `pull` refuses it
+            self._say(f"{entry.name}: {entry.unsupported()}")
+            return
+        self._start(entry.name)
+
+    @on(Input.Submitted, "#download-ref")
+    def _download_ref(self, event: Input.Submitted) -> None:
+        if event.value.strip():
+            self._start(event.value.strip())
+
+    def _start(self, ref: str) -> None:
+        """Check, then download (the child does both); a finding that only needs a yes is accepted by asking
+        for the same model again."""
+        start = getattr(self.app, "start_download", None)
+        if start is None:
+            return
+        job = start(ref, yes=self._confirm == ref)
+        self._confirm = None
+        if job is not None:
+            self._reset_bars()
+            self._show_download()
+
+    def action_cancel_download(self) -> None:
+        job = getattr(self.app, "download", None)
+        if job is not None and job.running:
+            job.cancel()
+            self._say(f"cancelling {job.ref}…")
+
+    def _say(self, text: str) -> None:
+        self.query_one("#download-status", Label).update(Text(terminal_safe(first_line(text))))
+
+    def _reset_bars(self) -> None:
+        self._bars.clear()
+        self.query_one("#download-files", Vertical).remove_children()
+
+    def _show_download(self) -> None:
+        """The app's download as it is now: a line for its state, a bar per file (bytes and the hub's totals)."""
+        job = getattr(self.app, "download", None)
+        if job is None:
+            return
+        if job.state == "checking":
+            self._say(f"checking {job.ref} on the hub…")
+        elif job.state == "downloading":
+            self._say(f"downloading {job.plan} · f8 cancels")
+        elif job.state == "done":
+            self._say(f"downloaded {job.ref}: {job.path}")
+        elif job.state == "cancelled":
+            self._say(f"cancelled {job.ref}: nothing was added (run it again to continue)")
+        elif job.state == "failed":
+            if job.needs_yes:
+                self._confirm = job.ref
+                self._say(f"{job.error.removesuffix(CONFIRM)}; enter again downloads it anyway")
+            else:
+                self._say(f"download failed: {job.error}")
+        box = self.query_one("#download-files", Vertical)
+        for name, progress in list(job.files.items()):
+            if name not in self._bars:
+                bar, label = ProgressBar(show_eta=False, id=None), Label(markup=False)
+                self._bars[name] = (bar, label)
+                box.mount(Horizontal(Label(Text(terminal_safe(name)), classes="download-name"), bar, label,
+                                     classes="download-file"))
+            bar, label = self._bars[name]
+            bar.update(total=progress.total or None, progress=progress.done)
+            total = format_bytes(progress.total) if progress.total else "?"
+            label.update(f"{format_bytes(progress.done)} / {total}")
 
 
 # conversations ---------------------------------------------------------------------------------------

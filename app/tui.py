@@ -30,6 +30,7 @@ import themes
 from engine import format_tokens
 
 from . import paths
+from .downloads import DownloadJob
 from .export import export_conversation
 from .live import LiveStatic
 from .panes import DiagnosticsPane, TimingPane
@@ -68,6 +69,9 @@ EMPTY_HINT = Content.assemble(
     " (f2 toggles). alt+0…alt+4 sets how many tokens are drafted per cycle, even mid-reply; "
     "f3 shows where the time goes. f1 lists every key.",
 )
+# Added to the welcome while the embedded demo model is loaded: it only babbles, a real one is a download away.
+DEMO_HINT = ("\n\nThis is the tiny built-in demo model (it writes nonsense): f5 → Download fetches a real one "
+             "sized for this machine.")
 
 
 @dataclass
@@ -137,6 +141,8 @@ class MtpChatApp(App):
             model = self.settings.model
         self.worker = EngineWorker(self.post_message, model, device, dtype, loader=loader, depth=self.depth,
                                    warm_up=warm_up)
+        self.device = device  # what a download is sized for (F5 → Download)
+        self.download: DownloadJob | None = None  # the model download, while and after it runs
         self.engine_state = "loading"  # loading | warming (kernels, graphs) | ready | failed
         self.warmup_status = ""  # while warming: "preparing kernels 3/9 · depth 1: first prompt"
         self.ready_note = ""  # "ready in 12.3 s" after a warm-up, until the first reply starts
@@ -233,6 +239,8 @@ class MtpChatApp(App):
     def on_unmount(self) -> None:
         if self.request is not None and self.store is not None:  # quit mid-reply: what came is kept
             self._saved(self.store.finish_message, self.request.message.id, "stopped", finish_reason="stop")
+        if self.download is not None:  # quitting mid-download: the child goes too (the pull resumes later)
+            self.download.cancel()
         self.worker.shutdown()
         if self.store is not None:
             self.store.close()
@@ -247,6 +255,7 @@ class MtpChatApp(App):
         await transcript.remove_children()
         views = [MessageView(m, highlight=self.settings.highlight) for m in self.conversation.messages]
         await transcript.mount_all(views or [Static(EMPTY_HINT, id="empty-hint")])
+        self._show_welcome()
         prompt = self.ui("#prompt", PromptInput)
         with prompt.prevent(PromptInput.Changed):
             prompt.load_text(self.conversation.draft)
@@ -412,6 +421,13 @@ class MtpChatApp(App):
             self._save_settings()
         self.sub_title = self._subtitle()
         self._update_status()
+        self._show_welcome()
+
+    def _show_welcome(self) -> None:
+        """The empty conversation's welcome, with the pointer to F5 → Download while the demo model is loaded."""
+        demo = self.model_path is not None and is_demo(self.model_path)
+        for hint in self.chat_screen.query("#empty-hint"):
+            hint.update(Content.assemble(EMPTY_HINT, DEMO_HINT) if demo else EMPTY_HINT)
 
     def on_warmup_progress(self, message: WarmupProgress) -> None:
         if self.engine_state == "warming":
@@ -698,7 +714,29 @@ class MtpChatApp(App):
             self._picked_model = path  # remembered in the settings once it has loaded
             self.worker.submit(SwitchModel(path))
 
-        self.push_screen(ModelPickerScreen(self.model_path or self.model_name), chosen)
+        self.push_screen(ModelPickerScreen(self.model_path or self.model_name, device=self.device), chosen)
+
+    def start_download(self, ref: str, yes: bool = False) -> DownloadJob | None:
+        """A model download (F5 → Download) in a child process: the chat, and a reply in progress, go on."""
+        if self.download is not None and self.download.running:
+            self.notify(f"Already downloading {self.download.ref}", severity="warning")
+            return None
+        self.download = DownloadJob(ref, yes=yes, device=self.device)
+        try:
+            self.download.start(self._download_ended, self.call_from_thread)
+        except OSError as e:
+            self.download.state, self.download.error = "failed", f"could not start the download: {e.strerror}"
+        return self.download
+
+    def _download_ended(self, job: DownloadJob) -> None:
+        """Done: switched to, when the picker is open (the user is choosing a model); else offered."""
+        if job.state == "done" and job.path:
+            if isinstance(self.screen, ModelPickerScreen):
+                self.screen.dismiss(job.path)  # the picker's own path: SwitchModel
+            else:
+                self.notify(f"Downloaded {job.ref}: f5 switches to it")
+        elif job.state == "failed" and not isinstance(self.screen, ModelPickerScreen):
+            self.notify(f"Download of {job.ref} failed: {job.error}", severity="error")
 
     def action_settings(self) -> None:
         def chosen(new: Settings | None) -> None:
@@ -824,6 +862,12 @@ class MtpChatApp(App):
         yield SystemCommand("Copy last code block", "Copy the last fenced code block", self.action_copy_code)
         yield SystemCommand("Stop", "Stop generating", self.action_stop)
         yield SystemCommand("Help", "Keys and what they do", self.action_help)
+
+
+def is_demo(path: str) -> bool:
+    from engine import EMBEDDED_DIR
+
+    return os.path.realpath(path) == os.path.realpath(EMBEDDED_DIR)
 
 
 def warmup_text(done: int, total: int | None, what: str, first_run: bool) -> str:

@@ -47,6 +47,7 @@ _EXPORTS = {
     "EngineError": ("errors", "EngineError"),
     "PHASES": ("timing", "PHASES"),
     # discovery: which models there are, which one is picked and why
+    "EMBEDDED_DIR": ("discovery", "EMBEDDED_DIR"),
     "choose": ("discovery", "choose"),
     "discover": ("discovery", "discover"),
     "fallbacks_for": ("discovery", "fallbacks_for"),

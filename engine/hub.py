@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import INDEX_FILE, read_json, unsupported_quantization
+from .checkpoint import INDEX_FILE, fp8_checkpoint, read_json, unsupported_quantization
 from .context import context_info, format_tokens, text_part
 from .discovery import (SAFETENSORS_DTYPES, Candidate, count_mtp_layers, unloadable_tensors, assess,
                         tp_degree)
@@ -243,7 +243,7 @@ def _candidate(repo: str, cfg: dict, fam, tensors: dict, file_of: dict, files: d
                      has_tokenizer=any(f in files for f in ("tokenizer.json", "tokenizer.model", "vocab.json")))
     if not tensors:
         raise PullError(f"{repo}: the safetensors files hold no tensors")
-    unloadable = unloadable_tensors(tensors, file_of, fam)
+    unloadable = unloadable_tensors(tensors, file_of, fam, fp8_checkpoint(cfg))
     if unloadable:
         raise PullError(f"{repo}: {unloadable[0]}")
     by_dtype: dict[str, int] = {}
@@ -305,19 +305,33 @@ def _check_fit(plan: Plan) -> None:
 # --- the download ---------------------------------------------------------------------------------------------
 
 
-def download(plan: Plan, quiet: bool = False) -> str:
+def download(plan: Plan, quiet: bool = False, progress=None) -> str:
     """Fetch the plan's files at its commit into the ordinary cache (the library's progress bars unless quiet);
     the snapshot folder. The revision asked for (main, a tag) is recorded in the cache's refs, as the library
-    does, so `mtpchat models` and other tools find this snapshot."""
-    from huggingface_hub import constants, snapshot_download
+    does, so `mtpchat models` and other tools find this snapshot.
+
+    progress(file, done_bytes, total_bytes), when given, is told each file's progress (the chat's download tab):
+    snapshot_download only reports the sum over all files, so the files are then fetched one by one."""
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
     from huggingface_hub.utils import disable_progress_bars, logging
 
     if quiet:  # no bars, and none of the library's "retrying" warnings: only the error that ends the pull
         disable_progress_bars()
         logging.set_verbosity_error()
-    path = _hub_call(lambda: snapshot_download(
-        plan.repo, revision=plan.commit, allow_patterns=[glob.escape(f) for f in plan.files],
-        etag_timeout=constants.HF_HUB_ETAG_TIMEOUT), plan.repo, plan.revision)
+    if progress is None:
+        path = _hub_call(lambda: snapshot_download(
+            plan.repo, revision=plan.commit, allow_patterns=[glob.escape(f) for f in plan.files],
+            etag_timeout=constants.HF_HUB_ETAG_TIMEOUT), plan.repo, plan.revision)
+    else:
+        for name in plan.files:  # every file listed from the start, at 0
+            progress(name, 0, plan.files[name])
+        for name in sorted(plan.files, key=lambda f: plan.files[f] or 0):  # small first: seen done quickly
+            _hub_call(lambda: hf_hub_download(plan.repo, name, revision=plan.commit,
+                                              etag_timeout=constants.HF_HUB_ETAG_TIMEOUT,
+                                              tqdm_class=_file_bar(name, plan.files[name], progress)),
+                      plan.repo, plan.revision)
+            progress(name, plan.files[name] or 0, plan.files[name])
+        path = str(snapshot_dir(plan))
     if plan.revision != plan.commit:
         _write_ref(plan)
     return path
@@ -337,3 +351,52 @@ def _write_ref(plan: Plan) -> None:
     except OSError as e:  # the snapshot is complete; only the name -> commit link is missing
         plan.notes.append(f"could not record {plan.revision!r} in the cache ({e.strerror})")
 
+
+
+def snapshot_dir(plan: Plan) -> Path:
+    """Where the plan's files are linked in the cache once downloaded (the folder discovery lists)."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    return _cache_dir() / repo_folder_name(repo_id=plan.repo, repo_type="model") / "snapshots" / plan.commit
+
+
+def discard_partial(snapshot: str | Path, files) -> bool:
+    """After a cancelled download: remove the snapshot folder unless every file is in it, so no half-downloaded
+    model is listed. Only the folder of links goes; the completed (and .incomplete) blobs stay in the cache, so
+    a later pull of the same commit continues where this one stopped. True when something was removed."""
+    folder = Path(snapshot)
+    if not folder.is_dir() or all((folder / f).exists() for f in files):
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    return True
+
+
+def _file_bar(name: str, total: int | None, progress):
+    """A tqdm stand-in for one file's hf_hub_download: its updates become progress(name, done, total). The
+    library may start over on a retry (update with a negative count) and, for files stored in Xet, keeps a
+    second bar for network bytes (desc '...: downloading bytes') beside the bytes written: that one is ignored."""
+
+    class Bar:
+        def __init__(self, *args, desc: str = "", total=total, initial: int = 0, **kwargs):
+            self.total, self.n = total, initial or 0
+            self.ignored = str(desc).endswith("downloading bytes")
+            self._report()
+
+        def update(self, n=1):
+            self.n += n or 0
+            self._report()
+
+        def _report(self):
+            if not self.ignored:
+                progress(name, max(0, self.n), self.total or total)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def __getattr__(self, attr):  # close, refresh, set_postfix_str, …: nothing to draw
+            return lambda *args, **kwargs: None
+
+    return Bar

@@ -7,7 +7,9 @@ safetensors headers). Errors carry the hub's X-Error-Code / X-Error-Message head
 exception types.
 
 Faults, per file: `drop_once` sends half of the file and closes the connection (the first GET only);
-`fail_gets` answers 500 to every GET; `sizes` reports a size other than the real one in the repo's metadata.
+`fail_gets` answers 500 to every GET; `sizes` reports a size other than the real one in the repo's metadata;
+`hold` sends the first MiB of a file, then waits until `HubServer.release` is set (a download caught mid-file,
+for as long as a test needs: to cancel it).
 Every request is recorded, so a test can say which bytes of which file were asked for.
 """
 
@@ -31,6 +33,7 @@ class Repo:
     sizes: dict[str, int] = field(default_factory=dict)  # size the metadata reports instead of the real one
     drop_once: set[str] = field(default_factory=set)
     fail_gets: set[str] = field(default_factory=set)
+    hold: set[str] = field(default_factory=set)  # sent in part, the rest once the server's `release` is set
 
     @classmethod
     def from_folder(cls, folder: Path, **extra_files: bytes) -> "Repo":
@@ -51,6 +54,7 @@ class HubServer:
     def __init__(self):
         self.repos: dict[str, Repo] = {}
         self.requests: list[Request] = []
+        self.release = threading.Event()
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
@@ -65,6 +69,7 @@ class HubServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.release.set()  # a held file's handler ends, so shutdown does not wait on it
         self._server.shutdown()
         self._server.server_close()
 
@@ -159,7 +164,23 @@ class HubServer:
                     hub._record(Request(self.command, name, wanted, len(part) // 2))
                     return self._drop(part, headers)
                 hub._record(Request(self.command, name, wanted, len(part) if body else 0))
+                if body and name in repo.hold and status == 200:
+                    return self._held(part, headers)
                 self._send(status, part, headers, body)
+
+            def _held(self, data: bytes, headers: dict):
+                self.send_response(200)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    self.wfile.write(data[:1 << 20])
+                    self.wfile.flush()
+                    hub.release.wait(60)
+                    self.wfile.write(data[1 << 20:])
+                except OSError:  # the client went away (a cancelled download)
+                    self.close_connection = True
 
             def _drop(self, data: bytes, headers: dict):
                 """Promise the whole file, send half of it, then close the connection."""
