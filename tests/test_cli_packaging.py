@@ -1,6 +1,7 @@
 """The shipped shell completions and man page follow the real argument parser: every option of every command is
 completed (bash and zsh), and the committed man page is what packaging/man.py generates now."""
 
+from argparse import SUPPRESS
 import re
 import subprocess
 import sys
@@ -16,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def options() -> dict[str, set[str]]:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a.choices, dict))
-    return {name: {o for a in sp._actions for o in a.option_strings if o.startswith("--")}
-            for name, sp in sub.choices.items()}
+    return {name: {o for a in sp._actions for o in a.option_strings if o.startswith("--") and a.help != SUPPRESS}
+            for name, sp in sub.choices.items()}  # (a suppressed option is internal: pull's --progress-json)
 
 
 @pytest.mark.parametrize("command", ["chat", "run", "bench", "pull", "doctor", "models"])
