@@ -55,11 +55,8 @@ class Entry:
         """Why the engine cannot run this variant today (checkpoint's own rule on config.json), or None."""
         from .checkpoint import unsupported_quantization
 
-        if self.quant_method is None:
+        if self.quant_method in (None, "fp8"):  # the catalogue's FP8 entries are Qwen's block-128 releases
             return None
-        if self.quant_method == "fp8":  # local FP8 folders load weight-only (engine/fp8.py); pulling waits for speed
-            return "quantization_config quant_method 'fp8' is not supported yet by pull (FP8 weights load " \
-                   "weight-only, dequantized per matmul, until the FP8 decode kernels exist); use the bf16 release"
         return unsupported_quantization({"quantization_config": {"quant_method": self.quant_method}})
 
 
@@ -144,7 +141,9 @@ def fit(entry: Entry, device: DeviceInfo) -> Fit:
 def pick(series: list[Entry], device: DeviceInfo) -> tuple[Entry | None, str]:
     """The largest variant of `series` the engine runs that fits `device` with a useful context, and why."""
     fits = [fit(e, device) for e in series]
-    runnable = [f for f in fits if f.entry.unsupported() is None]
+    # FP8 on the CPU would dequantize every weight at every step: there the bf16 releases are the pick
+    slow = {"fp8"} if device.kind != "cuda" else set()
+    runnable = [f for f in fits if f.entry.unsupported() is None and f.entry.format not in slow]
     usable = [f for f in runnable if f.fits]
     label = series[0].series
     if not usable:
@@ -153,7 +152,9 @@ def pick(series: list[Entry], device: DeviceInfo) -> tuple[Entry | None, str]:
         if smallest is not None:
             why += f"; the smallest, {smallest.entry.name}, {smallest.reason}"
         return None, why
-    best = max(usable, key=lambda f: f.entry.params_b)  # ties: the first listed (Instruct before Thinking)
+    # ties: FP8 on CUDA (half the weight reads), the bf16 release on the CPU; then the first listed (Instruct
+    # before Thinking)
+    best = max(usable, key=lambda f: (f.entry.params_b, (f.entry.format == "fp8") == (device.kind == "cuda")))
     larger = [f for f in runnable if f.entry.params_b > best.entry.params_b]
     why = f"{best.entry.name} ({best.entry.repo}): the largest {label} variant that fits: {best.reason}"
     if larger:
@@ -162,4 +163,6 @@ def pick(series: list[Entry], device: DeviceInfo) -> tuple[Entry | None, str]:
     skipped = sorted({f.entry.format for f in fits if f.entry.unsupported() is not None})
     if skipped:
         why += f"; {'/'.join(s.upper() for s in skipped)} variants skipped (not supported by the engine yet)"
+    if slow & {f.entry.format for f in fits}:
+        why += "; FP8 variants skipped on the CPU (each step would dequantize every weight)"
     return best.entry, why

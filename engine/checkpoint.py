@@ -109,9 +109,27 @@ def fp8_without_fp8_weights(cfg: dict, dtype_of: dict[str, str]) -> str | None:
     return None
 
 
+def int4_scheme(cfg: dict):
+    """config.json's GPTQ / AWQ 4-bit layout as an int4.Scheme (what engine/int4.py reads); None for any other."""
+    from . import int4
+
+    if str(quant_method(cfg)).lower() in int4.METHODS and unsupported_quantization(cfg) is None:
+        return int4.scheme(quantization_config(cfg))
+    return None
+
+
+def int4_without_int4_weights(cfg: dict, names) -> str | None:
+    """config.json declares GPTQ / AWQ but no tensor is packed (no `.qweight`): mislabelled, refused."""
+    if int4_scheme(cfg) is not None and not any(k.endswith(".qweight") for k in names):
+        return f"quantization_config says {quant_method(cfg)} but no tensor is 4-bit (no .qweight: a mislabelled " \
+               f"checkpoint)"
+    return None
+
+
 def unsupported_quantization(cfg: dict) -> str | None:
     """Why config.json's quantization cannot be run, or None. A quantization_config is never ignored: loading
     quantized weights as plain ones gives garbage."""
+    from . import int4
     from .fp8 import config_problem
 
     method = quant_method(cfg)
@@ -119,6 +137,8 @@ def unsupported_quantization(cfg: dict) -> str | None:
         return None
     if method == "fp8":
         return config_problem(quantization_config(cfg))
+    if method.lower() in int4.METHODS:
+        return int4.config_problem(quantization_config(cfg))
     why = ("other FP8 layouts need their own loaders" if method.startswith("fp8") else
            "quantized weights need dequantizing kernels")
     return f"quantization_config quant_method {method!r} is not supported yet ({why} the engine does not have); " \
@@ -181,6 +201,8 @@ class TensorFiles:
     slicer: object | None = None
     # config.json declares block-128 FP8 (checkpoint.fp8_checkpoint): F8_E4M3 weights with their scales load
     fp8: bool = False
+    # config.json declares GPTQ / AWQ (checkpoint.int4_scheme): its int4.Scheme; int32 packed tensors load
+    int4: object | None = None
 
     @classmethod
     def open(cls, root: Path) -> "TensorFiles":
@@ -223,17 +245,24 @@ class TensorFiles:
         return out
 
     def _check_dtype(self, name: str) -> None:
-        why = unloadable_dtype(name, self.dtype_of[name], self.file_of, self.fp8)
+        why = unloadable_dtype(name, self.dtype_of[name], self.file_of, self.fp8, self.int4 is not None)
         if why:
             raise EngineError(f"{self.root / self.file_of[name]}: {why}")
 
 
-def unloadable_dtype(name: str, dtype: str, names, fp8: bool = False) -> str | None:
+def unloadable_dtype(name: str, dtype: str, names, fp8: bool = False, int4: bool = False) -> str | None:
     """Why tensor `name`, stored as `dtype` (the header's spelling), cannot be loaded as a weight; None when it
     can. names: every tensor in the checkpoint, where an FP8 weight's scale would be; fp8: config.json declares
-    block-128 FP8 (without it FP8 tensors are refused: their scales' layout is unknown)."""
+    block-128 FP8 (without it FP8 tensors are refused: their scales' layout is unknown); int4: config.json
+    declares GPTQ / AWQ (int32 qweight / qzeros / g_idx load; engine/int4.py checks them)."""
     if dtype in _FLOAT_DTYPES:
         return None
+    packed = name.rpartition(".")[2] in ("qweight", "qzeros", "g_idx")
+    if packed and int4 and (dtype == "I32" or (dtype == "I64" and name.endswith(".g_idx"))):
+        return None
+    if packed and dtype == "I32":
+        return f"tensor {name!r} is a packed 4-bit tensor (GPTQ / AWQ) but config.json has no gptq or awq " \
+               f"quantization_config"
     if dtype.startswith("F8"):
         scale = name.removesuffix(".weight") + ".weight_scale_inv"
         if fp8 and dtype == "F8_E4M3" and scale in names:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from . import fp8
+from .int4 import Int4Linear
+from .int4 import fuse as fuse_int4
 
 # (child module of a decoder layer, the Linear layers in it that read the same input, in output order)
 GROUPS = (
@@ -35,6 +37,9 @@ def fuse_layer(layer: torch.nn.Module) -> None:
             continue
         linears = [getattr(module, n) for n in names]
         if any(getattr(lin, "bias", None) is not None for lin in linears):  # (the router has none)
+            continue
+        if any(isinstance(lin, Int4Linear) for lin in linears):  # 4-bit parts: int4.fuse, or left apart
+            fuse_int4(module, names, linears)
             continue
         quantized = [isinstance(lin, fp8.FP8Linear) for lin in linears]
         if any(quantized) and not (all(quantized) and all(lin.out_features % fp8.BLOCK == 0 for lin in linears)):
@@ -73,11 +78,13 @@ def fuse_all(layers) -> None:
 
 def linears(module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
     """The outputs of module's Linear layers `names` on x: one matmul when they were fused, else one each."""
+    if getattr(module, "int4_fused_names", None) == names:  # 4-bit parts, concatenated by int4.fuse
+        return list(module.int4_fused(x).split(module.int4_fused_sizes, dim=-1))
     if getattr(module, "fused_names", None) == names:
         w = module.fused_weight
-        if fp8.is_fp8(w):
-            w = fp8.dequantize(w, module.fused_scale_inv, x.dtype)
-        return list(F.linear(x, w).split(module.fused_sizes, dim=-1))
+        y = fp8.matmul(x, w, module.fused_scale_inv, getattr(module, "fp8_kernel", None)) if fp8.is_fp8(w) \
+            else F.linear(x, w)
+        return list(y.split(module.fused_sizes, dim=-1))
     return [getattr(module, n)(x) for n in names]
 
 

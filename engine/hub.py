@@ -30,10 +30,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import INDEX_FILE, fp8_checkpoint, read_json, unsupported_quantization
+from .checkpoint import INDEX_FILE, fp8_checkpoint, int4_scheme, quant_method, read_json, unsupported_quantization
 from .context import context_info, format_tokens, text_part
-from .discovery import (SAFETENSORS_DTYPES, Candidate, count_mtp_layers, unloadable_tensors, assess,
-                        tp_degree)
+from .discovery import (SAFETENSORS_DTYPES, Candidate, count_mtp_layers, dequantized_at_load, unloadable_tensors,
+                        assess, tp_degree, weights_and_dtype)
 from .environment import DeviceInfo, format_bytes, visible_gpus
 from .errors import EngineError
 from .families import family_for
@@ -243,18 +243,14 @@ def _candidate(repo: str, cfg: dict, fam, tensors: dict, file_of: dict, files: d
                      has_tokenizer=any(f in files for f in ("tokenizer.json", "tokenizer.model", "vocab.json")))
     if not tensors:
         raise PullError(f"{repo}: the safetensors files hold no tensors")
-    unloadable = unloadable_tensors(tensors, file_of, fam, fp8_checkpoint(cfg))
+    unloadable = unloadable_tensors(tensors, file_of, fam, fp8_checkpoint(cfg), int4_scheme(cfg) is not None)
     if unloadable:
         raise PullError(f"{repo}: {unloadable[0]}")
-    by_dtype: dict[str, int] = {}
-    for dt, shape in tensors.values():
-        n = 1
-        for d in shape:
-            n *= d
-        by_dtype[dt] = by_dtype.get(dt, 0) + n
-    cand.params = sum(by_dtype.values())
-    top = max(by_dtype, key=by_dtype.get)
+    cand.params, top = weights_and_dtype(tensors)  # (as discovery counts them: 4-bit qweights hold 8 each)
     cand.dtype = SAFETENSORS_DTYPES.get(top, (top.lower(), 0))[0]
+    # sized as discovery sizes a local folder: quantized weights as stored, except what load dequantizes
+    cand.quantization = quant_method(cfg) or ("fp8" if top.startswith("F8") else None)
+    cand.dequantized_disk_bytes, cand.dequantized_params = dequantized_at_load(tensors)
     cand.mtp_layers = count_mtp_layers(tensors, cand)
     cand.context = context_info(text_part(cfg), cand.mtp_layers)
     return cand

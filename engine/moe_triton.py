@@ -21,6 +21,13 @@ computes one pair or one token with the same code whatever N is (N only sizes th
 gives its rows what decoding them one at a time gives. Tokens that share an expert read its tiles from programs
 launched side by side (the pair / token index is the grid's fastest axis), so the repeat mostly hits L2.
 
+FP8 experts (fp8.FP8Experts: block-128 e4m3 with float32 scales, Qwen's FP8 releases) run in the same two kernels
+with SCALED set: each program loads its FP8 tile (half the bytes of bf16), converts it to float32 in registers
+and multiplies by its 128x128 block's scale. A tile's rows always lie in one 128-row block (every BLOCK_I and
+BLOCK_H below divides 128), so the scale is one value per 128 columns: it multiplies the activation's columns
+(x * s, a vector), not each weight. The shared expert runs inline when its weights have the routed experts'
+dtype: FP8 with its scales in an FP8 checkpoint, bf16 in a bf16 one.
+
 The kernels sit behind the custom op mtpchat::moe_experts, so torch.compile traces through (fullgraph) and CUDA
 graphs capture them. Block sizes are autotuned per shape (H, I, k) on the first call, which the engine makes
 at load with one row (model.moe_check), long before any capture: decoding's width, where the grid is smallest
@@ -35,6 +42,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .fp8 import FP8Experts
 from .fusion import dense_mlp
 
 try:
@@ -50,6 +58,8 @@ except ImportError:  # CPU-only installs: the module still imports, available() 
 GATE_UP_CONFIGS = [(16, 256, 4), (8, 256, 4), (8, 512, 4), (4, 512, 4), (4, 256, 4), (16, 512, 8), (8, 1024, 8),
                    (32, 256, 8)]
 DOWN_CONFIGS = [(8, 512, 4), (4, 512, 4), (2, 512, 4), (8, 512, 8), (16, 512, 8), (8, 256, 4), (16, 256, 4)]
+# FP8 experts: a tile's rows must lie in one 128-row block of scales (kernel 1's BLOCK_I, kernel 2's BLOCK_H)
+assert all(128 % c[0] == 0 for c in GATE_UP_CONFIGS + DOWN_CONFIGS)
 # Triton's interpreter (CPU tests) cannot time configurations: one configuration, nothing benchmarked
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["silu"]) modules
@@ -67,39 +77,48 @@ def _configs(sets, names):
 
 if triton is not None:
 
-    @triton.autotune(_configs(GATE_UP_CONFIGS, ("BLOCK_I", "BLOCK_H")), key=["H", "I", "K"])
+    @triton.autotune(_configs(GATE_UP_CONFIGS, ("BLOCK_I", "BLOCK_H")), key=["H", "I", "K", "SCALED"])
     @triton.jit
-    def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, shared_ptr, act_ptr, stride_xn, stride_we, stride_wr,
-                        K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, shared_ptr, s_ptr, shared_s_ptr, act_ptr, stride_xn, stride_we,
+                        stride_wr, stride_se, stride_sr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                        SCALED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
         pair = tl.program_id(0)  # K pairs per token: its routed experts, then the shared expert if inline
         token = pair // K
         e = tl.load(idx_ptr + pair)  # int64: e * stride_we overflows int32 for large expert tensors
         if e >= 0:
             base = w_ptr + e * stride_we
+            scales = s_ptr + e * stride_se
         else:  # the shared expert: its own [2I, H] weight, rows laid out like a routed expert's
             base = shared_ptr
+            scales = shared_s_ptr
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         cols = tl.arange(0, BLOCK_H)
         gate_ptrs = base + rows[:, None] * stride_wr + cols[None, :]
         up_ptrs = gate_ptrs + I * stride_wr  # the up rows follow the I gate rows
+        # SCALED: this tile's block row of scales, the gate's, then the up's (their own ceil(I / 128) block rows)
+        gate_scales = scales + (tl.program_id(1) * BLOCK_I // 128) * stride_sr
+        up_scales = gate_scales + tl.cdiv(I, 128) * stride_sr
         # element-wise accumulation, one reduction at the end: no cross-thread reduction inside the loop
         acc_gate = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_I, BLOCK_H), dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             col_ok = h0 + cols < H
             mask = (rows[:, None] < I) & col_ok[None, :]
-            x = tl.load(x_ptr + token * stride_xn + h0 + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            acc_gate += tl.load(gate_ptrs + h0, mask=mask, other=0.0).to(tl.float32) * x
-            acc_up += tl.load(up_ptrs + h0, mask=mask, other=0.0).to(tl.float32) * x
+            x = tl.load(x_ptr + token * stride_xn + h0 + cols, mask=col_ok, other=0.0).to(tl.float32)
+            x_gate, x_up = x, x
+            if SCALED:  # the block scale of each column, on the activation: one multiply per column
+                x_gate = x * tl.load(gate_scales + (h0 + cols) // 128, mask=col_ok, other=0.0)
+                x_up = x * tl.load(up_scales + (h0 + cols) // 128, mask=col_ok, other=0.0)
+            acc_gate += tl.load(gate_ptrs + h0, mask=mask, other=0.0).to(tl.float32) * x_gate[None, :]
+            acc_up += tl.load(up_ptrs + h0, mask=mask, other=0.0).to(tl.float32) * x_up[None, :]
         gate, up = tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1)
         tl.store(act_ptr + pair * I + rows, gate * tl.sigmoid(gate) * up, mask=rows < I)
 
-    @triton.autotune(_configs(DOWN_CONFIGS, ("BLOCK_H", "BLOCK_I")), key=["H", "I", "K"])
+    @triton.autotune(_configs(DOWN_CONFIGS, ("BLOCK_H", "BLOCK_I")), key=["H", "I", "K", "SCALED"])
     @triton.jit
-    def _down_kernel(act_ptr, idx_ptr, weights_ptr, w_ptr, shared_ptr, out_ptr, stride_we, stride_wr, stride_on,
-                     K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
+    def _down_kernel(act_ptr, idx_ptr, weights_ptr, w_ptr, shared_ptr, s_ptr, shared_s_ptr, out_ptr, stride_we,
+                     stride_wr, stride_se, stride_sr, stride_on, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                     SCALED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
         token = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         cols = tl.arange(0, BLOCK_I)
@@ -110,13 +129,18 @@ if triton is not None:
             weight = tl.load(weights_ptr + pair)
             if e >= 0:
                 base = w_ptr + e * stride_we
+                scales = s_ptr + e * stride_se
             else:
                 base = shared_ptr
+                scales = shared_s_ptr
             ptrs = base + rows[:, None] * stride_wr + cols[None, :]
+            scales += (tl.program_id(1) * BLOCK_H // 128) * stride_sr  # SCALED: this tile's block row
             for i0 in tl.static_range(0, I, BLOCK_I):
                 col_ok = i0 + cols < I
                 mask = (rows[:, None] < H) & col_ok[None, :]
                 a = tl.load(act_ptr + pair * I + i0 + cols, mask=col_ok, other=0.0) * weight
+                if SCALED:
+                    a = a * tl.load(scales + (i0 + cols) // 128, mask=col_ok, other=0.0)
                 acc += tl.load(ptrs + i0, mask=mask, other=0.0).to(tl.float32) * a[None, :]
         out = tl.sum(acc, axis=1)
         tl.store(out_ptr + token * stride_on + rows, out.to(out_ptr.dtype.element_ty), mask=rows < H)
@@ -167,10 +191,12 @@ def route(logits: torch.Tensor, E: int, k: int, norm: bool, shared: bool = False
 
 def launch(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
            down: torch.Tensor, shared_gate_up: torch.Tensor | None = None,
-           shared_down: torch.Tensor | None = None) -> torch.Tensor:
+           shared_down: torch.Tensor | None = None, scales: tuple | None = None) -> torch.Tensor:
     """Experts' weighted sum [N, H] for rows h [N, H], expert ids idx [N, K] (-1: the shared expert), routing
     weights [N, K]. gate_up [E, 2I, H], down [E, H, I]: rows contiguous (last stride 1), any other strides; the
-    shared expert's [2I, H] and [H, I] with the same row strides."""
+    shared expert's [2I, H] and [H, I] with the same row strides. scales: for FP8 weights, their float32 block
+    scales (gate_up's [E, 2 * ceil(I/128), ceil(H/128)] as fp8.FP8Experts holds them, down's
+    [E, ceil(H/128), ceil(I/128)], then the shared expert's two, or None without it), rows contiguous."""
     N, H = h.shape
     K = idx.shape[1]
     I = down.shape[2]
@@ -181,43 +207,75 @@ def launch(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: t
     else:
         assert shared_gate_up.shape == gate_up.shape[1:] and shared_down.shape == down.shape[1:]
         assert shared_gate_up.stride() == gate_up.stride()[1:] and shared_down.stride() == down.stride()[1:]
+        assert shared_gate_up.dtype == gate_up.dtype and shared_down.dtype == down.dtype
+    scaled = scales is not None
+    if scaled:
+        gs, ds, sgs, sds = scales
+        rows, cols = -(-I // 128), -(-H // 128)
+        assert gs.shape[1:] == (2 * rows, cols) and ds.shape[1:] == (cols, rows), (gs.shape, ds.shape)
+        assert gs.stride(-1) == 1 and ds.stride(-1) == 1, "scale rows must be contiguous"
+        if shared_gate_up is gate_up:  # no shared pair
+            sgs, sds = gs, ds
+        else:
+            assert sgs.stride() == gs.stride()[1:] and sds.stride() == ds.stride()[1:], "shared scales' strides"
+    else:  # bf16 / float32 weights: any valid pointers (never read)
+        gs = sgs = gate_up
+        ds = sds = down
     h, idx, weights = h.contiguous(), idx.contiguous(), weights.float().contiguous()
     act = torch.empty(N * K, I, device=h.device, dtype=torch.float32)
     out = torch.empty(N, H, device=h.device, dtype=h.dtype)
     if N == 0:
         return out
     _gate_up_kernel[lambda meta: (N * K, triton.cdiv(I, meta["BLOCK_I"]))](
-        h, idx, gate_up, shared_gate_up, act, h.stride(0), gate_up.stride(0), gate_up.stride(1), K=K, H=H, I=I)
+        h, idx, gate_up, shared_gate_up, gs, sgs, act, h.stride(0), gate_up.stride(0), gate_up.stride(1),
+        gs.stride(0) if scaled else 0, gs.stride(1) if scaled else 0, K=K, H=H, I=I, SCALED=scaled)
     _down_kernel[lambda meta: (N, triton.cdiv(H, meta["BLOCK_H"]))](
-        act, idx, weights, down, shared_down, out, down.stride(0), down.stride(1), out.stride(0), K=K, H=H, I=I)
+        act, idx, weights, down, shared_down, ds, sds, out, down.stride(0), down.stride(1),
+        ds.stride(0) if scaled else 0, ds.stride(1) if scaled else 0, out.stride(0), K=K, H=H, I=I, SCALED=scaled)
     return out
 
 
 @torch.library.custom_op("mtpchat::moe_experts", mutates_args=())
 def moe_experts(h: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, k: int,
                 norm: bool, shared_gate_up: torch.Tensor | None = None,
-                shared_down: torch.Tensor | None = None) -> torch.Tensor:
+                shared_down: torch.Tensor | None = None, gate_up_scale: torch.Tensor | None = None,
+                down_scale: torch.Tensor | None = None, shared_gate_up_scale: torch.Tensor | None = None,
+                shared_down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The routed part of the MoE for rows h [N, H] with router logits [N, E]: routing and the experts. With the
-    shared expert's weights, logits [N, E + 1] end with its gate logit and its gated output is included."""
+    shared expert's weights, logits [N, E + 1] end with its gate logit and its gated output is included. FP8
+    weights come with their block scales (launch's `scales`)."""
     shared = shared_gate_up is not None
     weights, idx = route(logits, gate_up.shape[0], k, norm, shared)
-    return launch(h, idx, weights, gate_up, down, shared_gate_up, shared_down)
+    scales = None if gate_up_scale is None else (gate_up_scale, down_scale, shared_gate_up_scale, shared_down_scale)
+    return launch(h, idx, weights, gate_up, down, shared_gate_up, shared_down, scales)
 
 
 @moe_experts.register_fake
-def _(h, logits, gate_up, down, k, norm, shared_gate_up=None, shared_down=None):
+def _(h, logits, gate_up, down, k, norm, shared_gate_up=None, shared_down=None, gate_up_scale=None, down_scale=None,
+      shared_gate_up_scale=None, shared_down_scale=None):
     return h.new_empty(h.shape)
 
 
 def inline_shared(block) -> bool:
     """The shared expert can run as one more pair in the kernels: its gate logit comes out of the router's matmul
-    (fusion.py fused them), its gate / up are one weight, and it has the routed experts' shape and activation."""
+    (fusion.py fused them), its gate / up are one weight, and it has the routed experts' shape, dtype and
+    activation (FP8 ones with their scales: fusion.py concatenates FP8 gate / up only in whole 128-row blocks,
+    which is FP8Experts' scale layout)."""
     shared, experts = block.shared_expert, block.experts
-    return (getattr(block, "fused_names", None) == ("gate", "shared_expert_gate")
+    if not (getattr(block, "fused_names", None) == ("gate", "shared_expert_gate")
             and getattr(shared, "fused_names", None) == ("gate_proj", "up_proj")
             and shared.fused_weight.shape == experts.gate_up_proj.shape[1:]
             and shared.down_proj.weight.shape == experts.down_proj.shape[1:]
-            and type(shared.act_fn).__name__ in SILU)
+            and shared.fused_weight.dtype == experts.gate_up_proj.dtype
+            and shared.down_proj.weight.dtype == experts.down_proj.dtype
+            and type(shared.act_fn).__name__ in SILU):
+        return False
+    if not isinstance(experts, FP8Experts):
+        return True
+    gs, ds = shared.fused_scale_inv, shared.down_proj.weight_scale_inv
+    return (gs.shape == experts.gate_up_proj_scale_inv.shape[1:] and ds.shape == experts.down_proj_scale_inv.shape[1:]
+            and gs.stride() == experts.gate_up_proj_scale_inv.stride()[1:]
+            and ds.stride() == experts.down_proj_scale_inv.stride()[1:])
 
 
 def moe_triton(block, x: torch.Tensor) -> torch.Tensor:
@@ -228,11 +286,15 @@ def moe_triton(block, x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"moe_triton supports SiLU experts only, not {type(experts.act_fn).__name__}")
     h = x.reshape(-1, x.shape[-1])
     k, norm = router.top_k, bool(getattr(router, "norm_topk_prob", True))
+    fp8 = isinstance(experts, FP8Experts)
+    scales = (experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv) if fp8 else (None, None)
     if inline_shared(block):  # one matmul for the router and the shared gate, then the three kernels
         shared = block.shared_expert
+        shared_scales = (shared.fused_scale_inv, shared.down_proj.weight_scale_inv) if fp8 else (None, None)
         y = moe_experts(h, F.linear(h, block.fused_weight), experts.gate_up_proj, experts.down_proj, k, norm,
-                        shared.fused_weight, shared.down_proj.weight)
+                        shared.fused_weight, shared.down_proj.weight, *scales, *shared_scales)
         return y.view(x.shape)
-    y = moe_experts(h, F.linear(h, router.weight), experts.gate_up_proj, experts.down_proj, k, norm)
+    y = moe_experts(h, F.linear(h, router.weight), experts.gate_up_proj, experts.down_proj, k, norm, None, None,
+                    *scales)
     shared = dense_mlp(block.shared_expert, h) * torch.sigmoid(block.shared_expert_gate(h))
     return (y + shared).view(x.shape)

@@ -12,11 +12,12 @@ import copy
 import torch
 from torch import nn
 
-from . import fp8
+from . import fp8, int4
 from .cache import KVCache
 from .errors import EngineError
 from .families import fuse_experts
 from .fusion import fuse_all
+from .fp8_triton import install as install_fp8
 from .norm_triton import install as install_norms
 
 
@@ -66,6 +67,13 @@ class MTPHead(nn.Module):
             except EngineError as e:  # the trunk still chats
                 raise MTPUnusable(str(e)) from None
             expected = head.state_dict()
+        if files.int4 is not None:  # GPTQ / AWQ heads: 4-bit or bf16 linears, whichever the tensors are
+            try:
+                sd = int4.adopt(head, sd, files.int4, dtype, lambda k: files.root / files.file_of.get("mtp." + k, "?"),
+                                named=lambda k: "mtp." + k)
+            except EngineError as e:  # the trunk still chats
+                raise MTPUnusable(str(e)) from None
+            expected = head.state_dict()
         sd = fuse_experts(sd)
         missing = [k for k in expected if k not in sd]
         if missing:
@@ -87,6 +95,8 @@ class MTPHead(nn.Module):
         self.trunk = trunk
         fuse_all(self.layers)
         install_norms(self.modules(), trunk.device, trunk.dtype)  # as the trunk's (model.choose_norm)
+        install_fp8(self.modules(), trunk.device, trunk.dtype)  # the head's FP8 linears (model.choose_fp8)
+        int4.choose(None, self.modules(), trunk.device, trunk.dtype)  # and its 4-bit ones
         return self
 
     def new_cache(self) -> KVCache:

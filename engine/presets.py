@@ -81,10 +81,12 @@ def plant_next_token_map(embed: torch.Tensor, lm_head: torch.Tensor, rows: tuple
 
 
 def random_model(preset: str, layers: int | None, device: str | None, dtype: str | None, seed: int = 0,
-                 group=None) -> Loaded:
+                 group=None, quant: str = "bf16") -> Loaded:
     """Random weights in a preset's shape. group (a tp.TPGroup): this rank's shard only, on the group's device;
     the replicated tensors (embedding, norms, routers, the MTP fc) are broadcast from rank 0 so every rank
-    computes the same thing."""
+    computes the same thing. quant "fp8": the linears Qwen's FP8 releases quantize become block-128 FP8
+    (fp8.quantize_linears) and the routed experts FP8 (fp8.quantize_experts), the MTP head's too, as FP8
+    checkpoints load."""
     from .mtp import MTPHead
 
     family, cfg, kw = preset_config(preset, layers)
@@ -116,6 +118,17 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
     # the same fixed seed on every rank: the replicated embedding is the same everywhere
     plant_next_token_map(lm.model.embed_tokens.weight, lm.lm_head.weight, plan.vrange if plan is not None else None)
     lm.eval()
+    if quant == "fp8":  # as FP8 checkpoints load: linears FP8Linear, routed experts FP8Experts
+        from .fp8 import quantize_experts, quantize_linears
+
+        for module in (lm, head):
+            quantize_linears(module)
+            quantize_experts(module)
+    elif quant == "int4":  # the same linears, 4-bit (int4.quantize_linears); experts stay in the model dtype
+        from .int4 import quantize_linears
+
+        quantize_linears(lm)
+        quantize_linears(head)
     kinds = list(lcfg.layer_types)
     if group is not None:
         group.vocab_size = cfg.vocab_size
@@ -125,7 +138,8 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
         group.plan = plan
     head.attach(trunk)
     head.eval()
-    fallbacks.append(Fallback("weights", f"random weights in the {preset} shape: output text is meaningless"))
+    fallbacks.append(Fallback("weights", f"random weights in the {preset} shape"
+                                         f"{' (FP8 linears)' if quant == 'fp8' else ' (4-bit linears)' if quant == 'int4' else ''}: output text is meaningless"))
     params = sum(p.numel() for p in lm.parameters())
     return Loaded(f"random:{preset}", f"random:{preset}", kw, trunk, head, 1,
                   params, fallbacks)
@@ -143,4 +157,6 @@ def weight_bytes_per_token(trunk) -> int:
         if ".experts." in name and getattr(cfg, "num_experts", 0):
             b = b * cfg.num_experts_per_tok // cfg.num_experts
         total += b
-    return total
+    from .int4 import packed_bytes
+
+    return total + packed_bytes(trunk.lm)  # 4-bit linears: their packed tensors are buffers (int4.py)

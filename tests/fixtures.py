@@ -18,6 +18,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.fp8 import NOT_CONVERTED as FP8_NOT_CONVERTED
+from engine.fp8 import eligible as fp8_eligible
+
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -432,21 +435,8 @@ def oom_on_the_second_verify(forward):
 
 # --- FP8 (Qwen's official block-128 layout) ------------------------------------------------------------------
 
-# What Qwen's FP8 releases leave unquantized (their modules_to_not_convert, in substance): embeddings, lm_head,
-# norms, GDN in_proj_a / in_proj_b (Qwen3-Next packs them as in_proj_ba), the router and the shared-expert gate,
-# the vision tower.
-FP8_NOT_CONVERTED = ["model.embed_tokens", "model.language_model.embed_tokens", "lm_head", "linear_attn.in_proj_a",
-                     "linear_attn.in_proj_b", "linear_attn.in_proj_ba", "mlp.gate", "mlp.shared_expert_gate",
-                     "model.visual"]
-
-
-def fp8_eligible(key: str, t: torch.Tensor) -> bool:
-    """A linear weight Qwen's FP8 releases quantize (norms are 1-D, the conv 3-D: neither is eligible)."""
-    if not key.endswith(".weight") or t.dim() != 2:
-        return False
-    module = key[: -len(".weight")]
-    return not any(module.endswith(n) or module.startswith(n + ".") for n in FP8_NOT_CONVERTED)
-
+# What Qwen's FP8 releases leave unquantized: engine.fp8.NOT_CONVERTED (FP8_NOT_CONVERTED here; the bench's
+# random-weight FP8 models use the same list).
 
 def write_fp8_checkpoint(src: Path, dst: Path, twin: Path) -> tuple[Path, Path]:
     """Convert the checkpoint at src into Qwen's FP8 layout at dst (each eligible linear weight quantized per

@@ -141,8 +141,8 @@ CASES = {
     "fp8_tagged_bf16_weights": ("next", edit_config(lambda c: c.__setitem__("quantization_config", FP8)),
                                 "config.json: quantization_config says fp8 but no tensor is FP8", True),
     "quantization_config_in_text_config": (
-        "q35", set_text("quantization_config", {"quant_method": "gptq"}),
-        "config.json: quantization_config quant_method 'gptq' is not supported yet (quantized weights need "
+        "q35", set_text("quantization_config", {"quant_method": "exl2"}),
+        "config.json: quantization_config quant_method 'exl2' is not supported yet (quantized weights need "
         "dequantizing kernels the engine does not have); use the bf16 release", True),
 }
 

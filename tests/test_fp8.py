@@ -107,10 +107,11 @@ def test_fp8_weights_stay_fp8_and_whole_blocks_fuse(fp8_engine):
     assert not hasattr(_layer(small, "full_attention").self_attn, "fused_weight")
 
 
-def test_fp8_experts_are_dequantized_at_load(fp8_engine):
+def test_fp8_experts_stay_fp8(fp8_engine):
     engine = fp8_engine("next_moe")
     moe = next(l.mlp for l in engine.trunk.layers if hasattr(l.mlp, "experts"))
-    assert moe.experts.gate_up_proj.dtype == torch.float32  # per-expert FP8 stacked in the model dtype
+    assert isinstance(moe.experts, fp8.FP8Experts)  # per-expert FP8 stacked as FP8 (tests/test_fp8_moe.py)
+    assert moe.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     assert isinstance(moe.shared_expert.gate_proj, fp8.FP8Linear)
     assert type(moe.gate) is not fp8.FP8Linear and moe.gate.weight.dtype == torch.float32
 
@@ -188,3 +189,90 @@ def test_a_bad_mtp_scale_falls_back_to_plain_decoding(fp8_ckpt, tmp_path):
     loaded = load(str(path))
     assert loaded.mtp is None
     assert any("tensor 'mtp.fc.weight_scale_inv' has shape (3, 3)" in f.reason for f in loaded.fallbacks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_in_bf16_the_fp8_kernel_serves_every_fp8_matmul_inside_the_graphs(fp8_ckpt):
+    """The Triton W8A16 kernel is chosen after its self-check, serves the fused projections and the MTP head too,
+    and gives the dequantizing path's logits; float32 keeps the exact dequantizing path (it equals the CPU)."""
+    from engine import GenerationSettings
+    from engine.events import Tokens
+
+    path, _ = fp8_ckpt("blocks")
+    bf16 = load_engine(str(path), device="cuda", dtype="bfloat16")
+    assert bf16.trunk.backends.choice["fp8_linear"][0] == "triton", bf16.trunk.backends.choice["fp8_linear"]
+    fused = [m for m in bf16.trunk.lm.modules() if getattr(m, "fused_scale_inv", None) is not None]
+    assert fused and all(m.fp8_kernel is not None for m in fused)
+    assert bf16.mtp_drafter.head.fc.fp8_kernel is not None
+    prompt = bf16.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.inference_mode():
+        kernel = bf16.trunk.lm(ids).logits.float()
+        kernels = [(m, m.fp8_kernel) for m in bf16.trunk.lm.modules() if getattr(m, "fp8_kernel", None)]
+        for m, _ in kernels:
+            m.fp8_kernel = None
+        reference = bf16.trunk.lm(ids).logits.float()
+        for m, k in kernels:
+            m.fp8_kernel = k
+    assert ((kernel - reference).abs().max() / reference.abs().max()).item() < 2e-2
+    s = GenerationSettings(max_new_tokens=24, depth=3, ignore_eos=True)
+    assert sum(len(e.token_ids) for e in bf16.generate(prompt, s) if isinstance(e, Tokens)) == 24
+    assert bf16.diagnostics()["compile"]["cuda_graphs"]["failure"] is None
+    f32 = load_engine(str(path), device="cuda", dtype="float32")
+    assert f32.trunk.backends.choice["fp8_linear"][0] == "dequantize"
+
+
+# --- tensor parallelism over an FP8 checkpoint: each rank reads its rows / columns and their 128-block scales ---
+
+TP_BLOCKS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=128,
+                 linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
+                 linear_value_head_dim=128, layer_types=["linear_attention", "full_attention"])
+
+
+def _tp_rank(args, group) -> int:
+    """One rank of a --tp 2 world on the CPU: plain and MTP speculation over the sharded FP8 checkpoint."""
+    import json as _json
+    from pathlib import Path
+
+    from engine import GenerationSettings
+    from engine.events import Tokens
+
+    engine = load_engine(args["path"], tp=group)
+    prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    out = {"fp8": sum(p.numel() for p in engine.trunk.lm.parameters() if p.dtype == torch.float8_e4m3fn)}
+    for depth in (0, 2):
+        s = GenerationSettings(max_new_tokens=16, depth=depth, ignore_eos=True, reuse=False)
+        events = list(engine.generate(prompt, s))
+        out[str(depth)] = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+        out[f"drafted{depth}"] = events[-1].stats["drafted"]
+    Path(args["out"], f"rank{group.rank}.json").write_text(_json.dumps(out))
+    return 0
+
+
+def test_tp2_over_an_fp8_checkpoint_decodes_what_one_device_decodes(tmp_path):
+    from engine import GenerationSettings
+    from engine.events import Tokens
+    from engine.tp import launch
+
+    src = write_checkpoint(tmp_path / "src", "qwen3_next", seed=9, **TP_BLOCKS)
+    path, _ = write_fp8_checkpoint(src, tmp_path / "fp8", tmp_path / "twin")
+    single = load_engine(str(path))
+    prompt = single.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    want = [t for e in single.generate(prompt, GenerationSettings(max_new_tokens=16, depth=0, ignore_eos=True,
+                                                                  reuse=False))
+            if isinstance(e, Tokens) for t in e.token_ids]
+    whole = sum(p.numel() for p in single.trunk.lm.parameters() if p.dtype == torch.float8_e4m3fn)
+    assert launch(_tp_rank, {"path": str(path), "out": str(tmp_path)}, 2, "cpu", timeout_s=120) == 0
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for got in ranks:
+        assert got["0"] == want and got["2"] == want and got["drafted2"] > 0
+        assert 0 < got["fp8"] < whole  # each rank holds a shard of the FP8 weights, still FP8
+
+
+def test_tp_over_fp8_weights_whose_shards_split_a_block_is_one_line(fp8_ckpt):
+    """The tiny fixtures' 16..96-row weights fit one 128-block: two ranks cannot each hold half a scale."""
+    from engine.tp import launch
+
+    with pytest.raises(EngineError, match="not whole 128-blocks"):
+        launch(_tp_rank, {"path": str(fp8_ckpt("next")[0]), "out": "/nonexistent"}, 2, "cpu", timeout_s=120)

@@ -252,7 +252,6 @@ def test_unreachable_endpoint_is_one_line_and_quick(env):
 @pytest.mark.parametrize("ref, says", [
     ("not a repo", "is not a repository id"),
     ("org/model@", "empty revision"),
-    ("qwen3.5-27b-fp8", "qwen3.5-27b-fp8: quantization_config quant_method 'fp8' is not supported yet"),
 ])
 def test_bad_names_are_one_line_without_a_request(hub, env, ref, says):
     line = one_line(cli(env, "pull", ref))
@@ -286,14 +285,14 @@ def test_catalogue_holds_the_references_facts():
     assert all(e.context == 262144 for e in by_name.values() if e.series != "qwen3-next")
     fields = set(catalogue.Entry.__dataclass_fields__)
     assert all(set(e.approximate) <= fields for e in by_name.values())
-    assert by_name["qwen3.5-27b-fp8"].unsupported() and by_name["qwen3.5-27b"].unsupported() is None
+    assert by_name["qwen3.5-27b-fp8"].unsupported() is None and by_name["qwen3.5-27b"].unsupported() is None
 
 
 @pytest.mark.parametrize("kind, gib, series, picked", [
-    ("cuda", 140, "qwen3.5", "qwen3.5-35b-a3b"),  # 72 GB bf16 fits an H200; 122B does not
-    ("cuda", 24, "qwen3.5", "qwen3.5-9b"),
-    ("cpu", 16, "qwen3.5", "qwen3.5-2b"),  # float32 on CPU: 4B needs ~19 GiB
-    ("cuda", 140, "qwen3.6", "qwen3.6-35b-a3b"),
+    ("cuda", 140, "qwen3.5", "qwen3.5-122b-a10b-fp8"),  # 127 GB of FP8 fits an H200; 250 GB of bf16 does not
+    ("cuda", 24, "qwen3.5", "qwen3.5-9b-fp8"),  # 9B in FP8 and bf16 both fit: FP8 reads half the bytes
+    ("cpu", 16, "qwen3.5", "qwen3.5-2b"),  # float32 on CPU: 4B needs ~19 GiB; FP8 would dequantize every step
+    ("cuda", 140, "qwen3.6", "qwen3.6-35b-a3b-fp8"),
     ("cuda", 24, "qwen3-next", None),
 ])
 def test_series_pick_is_the_largest_that_fits_with_a_useful_context(kind, gib, series, picked):
@@ -303,7 +302,7 @@ def test_series_pick_is_the_largest_that_fits_with_a_useful_context(kind, gib, s
     assert (entry.name if entry else None) == picked, why
     if entry:
         assert why.startswith(f"{picked} ({entry.repo}): the largest {series} variant that fits")
-        assert "FP8 variants skipped" in why
+        assert ("FP8 variants skipped on the CPU" in why) == (kind == "cpu")
     else:
         assert why.startswith(f"no {series} variant the engine runs fits")
 

@@ -1,0 +1,404 @@
+"""4-bit GPTQ / AWQ checkpoints on the CPU in float32: the engine's output equals transformers running the
+exactly-dequantized twin, plain and speculative; a missing MTP head decodes plainly or comes from another release
+(--mtp-from); bad 4-bit input is refused in one line."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from safetensors.torch import load_file, save_file
+
+from engine import int4, load_engine
+from engine.errors import EngineError
+from engine.model import load
+from fixtures import write_checkpoint, write_fp8_checkpoint
+from int4_fixtures import (awq_config, dequantize, gptq_config, pack_along_k, pack_along_n, quantize,
+                           write_int4_checkpoint)
+from test_exactness import PROMPTS, assert_speculation_equals_plain, decode
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = {"q35": ("qwen3_5", {}), "next": ("qwen3_next", {}),
+           "q35_moe": ("qwen3_5_moe", {"per_expert": True, "seed": 3})}
+# name -> (source, quantization_config, module substrings left in bf16, MTP head: int4 | bf16 | none)
+INT4_FIXTURES = {
+    # Qwen's -GPTQ-Int4 config (v1 zeros), one group per row at these dims (K < 128), the MTP head quantized
+    "q35": ("q35", gptq_config(128), (), "int4"),
+    # GPTQModel: gptq_v2, asym, act-order, group 32, the head left bf16 by a dynamic exclusion
+    "q35_act": ("q35", gptq_config(32, sym=False, desc_act=True, fmt="gptq_v2",
+                                   dynamic={"-:.*mtp.*": {}, "-:.*visual.*": {}}), (), "bf16"),
+    "next": ("next", gptq_config(-1, desc_act=True), (), "int4"),
+    # AutoAWQ (GEMM), the head in modules_to_not_convert
+    "next_awq": ("next", awq_config(32, not_converted=["visual", "mtp"]), (), "bf16"),
+    # MoE as Qwen3.5's MoE GPTQ releases: attention and the shared expert bf16, experts quantized one by one
+    "q35_moe": ("q35_moe", gptq_config(32, fmt="gptq_v2", dynamic={"-:.*attn.*": {}, "-:.*shared_expert.*": {},
+                                                                   "-:.*visual.*": {}}),
+                ("attn", "shared_expert"), "int4"),
+    # a community AWQ release with the MTP head stripped
+    "q35_awq_nomtp": ("q35", awq_config(64, not_converted=["visual"]), (), "none"),
+}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    made = {}
+
+    def get(name):
+        if name not in made:
+            family, opts = SOURCES[name]
+            made[name] = write_checkpoint(tmp_path_factory.mktemp(f"src_{name}") / "src", family, **opts)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def int4_ckpt(tmp_path_factory, sources):
+    """int4_ckpt(name) -> (4-bit checkpoint, its dequantized float32 twin), written once per module."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            src, config, skip, mtp = INT4_FIXTURES[name]
+            root = tmp_path_factory.mktemp(f"int4_{name}")
+            made[name] = write_int4_checkpoint(sources(src), root / "q", root / "twin", json.loads(json.dumps(config)),
+                                               skip=skip, mtp=mtp)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def int4_engine(int4_ckpt):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = load_engine(str(int4_ckpt(name)[0]))
+        return cache[name]
+
+    return get
+
+
+# --- the layouts -------------------------------------------------------------------------------------------------
+
+def test_packed_words_follow_the_published_nibble_orders():
+    # GPTQ v1, sym: zero 8 stored as 7 in every nibble: 0x77777777, the constant AutoGPTQ checkpoints carry
+    assert pack_along_n(torch.full((1, 8), 7))[0, 0].item() == 0x77777777
+    # AWQ: columns 1..8 of a word sit in nibbles [0, 2, 4, 6, 1, 3, 5, 7] order: nibbles hold 1 3 5 7 2 4 6 8
+    word = pack_along_n(torch.arange(1, 9)[None], awq=True)[0, 0].item()
+    assert word & 0xFFFFFFFF == 0x86427531
+    assert int4.unpack_columns(torch.tensor([[word]], dtype=torch.int32), awq=True).tolist() == [list(range(1, 9))]
+    # GPTQ qweight: input row 8i+j in bits 4j.. of word i
+    q = torch.randint(0, 16, (24, 16))  # [N, K]
+    assert torch.equal(int4.unpack_rows(pack_along_k(q)).long(), q.T)
+
+
+@pytest.mark.parametrize("method, group_size, sym, act", [("gptq", 32, False, True), ("gptq", -1, True, False),
+                                                          ("gptq", 48, True, True), ("awq", 32, False, False)])
+def test_engine_dequantizes_the_packed_tensors_exactly(method, group_size, sym, act):
+    w = torch.randn(40, 96)
+    perm = torch.randperm(96) if act else None
+    q, zeros, scales, g_idx = quantize(w, group_size, sym, perm, min_zero=1)
+    ref = dequantize(q, zeros, scales, g_idx)
+    assert (ref - w).abs().max() < 0.3 * w.abs().max()  # a 4-bit grid: coarse, not garbage
+    if method == "gptq":
+        conf = gptq_config(group_size, sym=sym, desc_act=act)  # v1: zeros stored minus 1
+        parts = {"qweight": pack_along_k(q), "qzeros": pack_along_n(zeros - 1), "scales": scales, "g_idx": g_idx}
+    else:
+        conf = awq_config(group_size)
+        parts = {"qweight": pack_along_n(q.T, awq=True), "qzeros": pack_along_n(zeros, awq=True), "scales": scales}
+    packed = int4.read_packed(int4.scheme(conf), "x", parts, lambda part: "f.safetensors")
+    assert (packed.perm is not None) == act
+    assert torch.equal(packed.dequantized(torch.float32), ref)
+    x = torch.randn(3, 96)
+    lin = int4.Int4Linear(96, 40, packed.qweight, packed.zeros, packed.scales, packed.group_size, packed.perm)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, ref))
+
+
+# --- the oracle --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(INT4_FIXTURES))
+def test_int4_greedy_equals_transformers_on_the_dequantized_twin(name, int4_ckpt, int4_engine):
+    path, twin = int4_ckpt(name)
+    engine = int4_engine(name)
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.float32).eval()
+    for messages in PROMPTS:
+        prompt = engine.encode_chat(messages)
+        ours, _, _ = decode(engine, prompt, depth=0, prefill_chunk=7)
+        # eos_token_id None: no stop and no EOS suppression (min_new_tokens would mask EOS, which ignore_eos emits)
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None)
+        assert ours == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name, depth", [("q35_act", 1), ("q35_act", 2), ("q35_act", 3), ("q35_moe", 1),
+                                         ("q35_moe", 3), ("q35", 2), ("next", 2), ("next_awq", 3)])
+def test_int4_mtp_speculation_equals_plain(name, depth, int4_engine):
+    assert_speculation_equals_plain(int4_engine(name), depth)
+
+
+def _layer(engine, kind):
+    return next(l for l, k in zip(engine.trunk.layers, engine.trunk.kinds) if k == kind)
+
+
+def test_packed_weights_stay_4_bit_where_the_checkpoint_has_them(int4_engine):
+    q35, act, moe = int4_engine("q35"), int4_engine("q35_act"), int4_engine("q35_moe")
+    for engine in (q35, act):
+        attn, gdn = _layer(engine, "full_attention").self_attn, _layer(engine, "linear_attention").linear_attn
+        assert isinstance(attn.q_proj, int4.Int4Linear) and attn.q_proj.qweight.dtype == torch.int32
+        assert isinstance(gdn.in_proj_qkv, int4.Int4Linear)
+        assert type(gdn.in_proj_b) is torch.nn.Linear  # left bf16 by the release: stays a plain Linear
+        assert engine.trunk.lm.lm_head.weight.dtype == torch.float32
+    assert act.trunk.lm.model.layers[0].mlp.down_proj.perm is not None  # act-order: rows sorted by group at load
+    assert q35.trunk.lm.model.layers[0].mlp.down_proj.perm is None
+    assert isinstance(q35.mtp_drafter.head.fc, int4.Int4Linear)  # the head quantized like the trunk
+    assert type(act.mtp_drafter.head.fc) is torch.nn.Linear  # the head excluded: bf16 as stored
+    block = next(l.mlp for l in moe.trunk.layers if hasattr(l.mlp, "experts"))
+    assert block.experts.gate_up_proj.dtype == torch.float32  # per-expert 4-bit experts dequantized at load
+    assert type(block.shared_expert.gate_proj) is torch.nn.Linear
+    # parameters count the 4-bit weights too: the same count as the dequantized model's
+    assert q35.loaded.params == load(str(q35.loaded.path).replace("/q", "/twin")).params
+
+
+def test_discovery_reports_the_packed_size(int4_ckpt):
+    from engine.discovery import inspect_model
+
+    path, twin = int4_ckpt("q35")
+    q, plain = inspect_model(path), inspect_model(twin)
+    assert q.supported and q.quantization == "gptq" and q.reason == "", q.reason
+    assert q.dtype == "float32"  # the float tensors' dtype, not the int32 packing's
+    assert q.params == plain.params  # a qweight element holds 8 weights; zeros / scales / g_idx are not weights
+    assert q.disk_bytes < 0.75 * plain.disk_bytes  # the embeddings / lm_head stay float32 at these tiny dims
+
+
+# --- a missing MTP head ------------------------------------------------------------------------------------------
+
+def test_a_stripped_mtp_head_decodes_plainly_with_the_reason(int4_engine):
+    engine = int4_engine("q35_awq_nomtp")
+    assert engine.loaded.mtp is None
+    reasons = [f.reason for f in engine.loaded.fallbacks if f.feature == "speculation"]
+    assert any("no mtp.* tensors" in r and "--mtp-from" in r and "plain decoding" in r for r in reasons), reasons
+    tokens, sources, fin = decode(engine, engine.encode_chat(PROMPTS[0]), depth=2, max_new_tokens=8)
+    assert len(tokens) == 8 and "draft" not in sources
+    assert any("--mtp-from" in f.reason for f in fin.fallbacks)
+
+
+@pytest.mark.parametrize("release", ["bf16", "fp8"])
+def test_mtp_from_another_release_drafts_and_speculation_equals_plain(release, int4_ckpt, sources, tmp_path):
+    head = sources("q35")
+    if release == "fp8":
+        head = write_fp8_checkpoint(head, tmp_path / "fp8", tmp_path / "fp8_twin")[0]
+    engine = load_engine(str(int4_ckpt("q35_awq_nomtp")[0]), mtp_from=str(head))
+    assert engine.loaded.mtp is not None
+    assert engine.trunk.backends.choice["mtp_head"][0] == "--mtp-from"
+    assert not any(f.feature == "speculation" for f in engine.loaded.fallbacks)
+    assert_speculation_equals_plain(engine, 2)
+
+
+def test_mtp_from_a_release_that_does_not_fit_is_refused(int4_ckpt, sources, tmp_path):
+    path = str(int4_ckpt("q35_awq_nomtp")[0])
+    other = write_checkpoint(tmp_path / "wide", "qwen3_5", hidden_size=96, seed=5)
+    with pytest.raises(EngineError) as e:
+        load(path, mtp_from=str(other))
+    assert "\n" not in str(e.value)
+    assert f"--mtp-from {other}: MTP tensor 'mtp." in str(e.value) and "has shape" in str(e.value)
+    with pytest.raises(EngineError, match="a qwen3_next model; this model is qwen3_5"):
+        load(path, mtp_from=str(sources("next")))
+    with pytest.raises(EngineError, match="no mtp.\\* tensors there"):
+        load(path, mtp_from=path)
+
+
+def test_mtp_from_on_the_command_line(int4_ckpt, sources, tmp_path):
+    path, head = str(int4_ckpt("q35_awq_nomtp")[0]), str(sources("q35"))
+    env = {"PYTHONPATH": str(ROOT), "HF_HUB_CACHE": str(tmp_path / "hub"), "MTPCHAT_HOME": str(tmp_path / "h"),
+           "MTPCHAT_DISABLE_FLA": "1", "PATH": "/usr/bin:/bin"}
+    run = [sys.executable, "-m", "app.cli", "run", "--model", path, "--device", "cpu", "--prompt", "Tell me a story",
+           "--max-new-tokens", "12", "--ignore-eos", "--depth", "2", "--json"]
+    p = subprocess.run(run + ["--mtp-from", head], cwd=ROOT, env=env, capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    out = json.loads(p.stdout)
+    assert out["stats"]["drafter"] == "mtp" and out["stats"]["drafted"] > 0
+    assert out["diagnostics"]["backends"]["mtp_head"]["backend"] == "--mtp-from"
+    from app.cli import build_parser, check_model_folder  # what run / bench check before loading anything
+
+    args = build_parser().parse_args(["run", "--model", path, "--prompt", "hi", "--mtp-from", str(tmp_path / "no")])
+    with pytest.raises(EngineError, match=f"^--mtp-from {tmp_path / 'no'}: no such model folder$"):
+        check_model_folder(args)
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+def _damaged(int4_ckpt, tmp_path, name="q35", edit_tensors=None, edit_config=None):
+    path = tmp_path / "bad"
+    shutil.copytree(int4_ckpt(name)[0], path)
+    if edit_tensors:
+        f = path / "model.safetensors"
+        tensors = load_file(f)
+        edit_tensors(tensors)
+        save_file(tensors, f, metadata={"format": "pt"})
+    if edit_config:
+        conf = json.loads((path / "config.json").read_text())
+        edit_config(conf["quantization_config"])
+        (path / "config.json").write_text(json.dumps(conf))
+    return path
+
+
+Q = "model.language_model.layers.1.self_attn.q_proj"  # q35: K 64, N 128 (query and gate), one group
+DOWN = "model.language_model.layers.0.mlp.down_proj"  # q35_act: K 96 in groups of 32
+
+
+def _refusal(path) -> str:
+    with pytest.raises(EngineError) as e:
+        load(str(path))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def _set(key, value):
+    return lambda t: t.__setitem__(key, value(t) if callable(value) else value)
+
+
+@pytest.mark.parametrize("name, edit, says", [
+    ("q35", lambda t: t.pop(Q + ".qzeros"), f"4-bit tensor '{Q}.qweight' has no '{Q}.qzeros' beside it"),
+    ("q35", _set(Q + ".scales", torch.ones(2, 128, dtype=torch.float16)),
+     f"tensor '{Q}.scales' has shape (2, 128); qweight [K/8, N] = (8, 128) with group_size 128 needs (1, 128)"),
+    ("q35", _set(Q + ".qzeros", torch.zeros(1, 15, dtype=torch.int32)), f"tensor '{Q}.qzeros' has shape (1, 15)"),
+    ("q35", _set(Q + ".qweight", lambda t: t[Q + ".qweight"].float()),
+     f"tensor '{Q}.qweight' is torch.float32; a packed 4-bit tensor is int32"),
+    ("q35", _set(Q + ".qweight", lambda t: t[Q + ".qweight"][:, :120].contiguous()),
+     f"tensor '{Q}.scales' has shape (1, 128); qweight [K/8, N] = (8, 120) with group_size 128 needs (1, 120)"),
+    ("q35", lambda t: t.pop(Q + ".qweight"), f"tensor '{Q}.g_idx' has no '{Q}.qweight' beside it"),
+    ("q35_act", _set(DOWN + ".g_idx", lambda t: torch.zeros(96, dtype=torch.int32)),
+     f"tensor '{DOWN}.g_idx' does not split the 96 input rows into groups of 32"),
+    ("q35_act", _set(DOWN + ".g_idx", lambda t: torch.full((96,), 7, dtype=torch.int32)),
+     f"tensor '{DOWN}.g_idx' names groups outside 0..2"),
+    ("q35_act", _set("mtp.fc.qweight", torch.zeros(32, 64, dtype=torch.int32)),
+     "tensor 'mtp.fc.qweight' is 4-bit but config.json's dynamic '-:.*mtp.*' says the module is not quantized"),
+])
+def test_bad_int4_tensors_are_one_line(name, edit, says, int4_ckpt, tmp_path):
+    assert says in _refusal(_damaged(int4_ckpt, tmp_path, name, edit_tensors=edit))
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda q: q.__setitem__("bits", 8), "quantization_config gptq bits 8 is not supported (only 4-bit)"),
+    (lambda q: q.__setitem__("group_size", 100), "quantization_config gptq group_size 100 is not supported"),
+    (lambda q: q.__setitem__("checkpoint_format", "marlin"),
+     "quantization_config gptq checkpoint_format 'marlin' is not supported (only 'gptq' or 'gptq_v2')"),
+    (lambda q: q.__setitem__("desc_act", "yes"), "quantization_config gptq desc_act 'yes' is not true/false"),
+    (lambda q: q.__setitem__("dynamic", {"+:.*mlp.*": {"bits": 8}}),
+     "quantization_config gptq dynamic '+:.*mlp.*' sets bits 8 (only 4-bit)"),
+    (lambda q: q.update(quant_method="awq", version="gemv"),
+     "quantization_config awq version 'gemv' is not supported (only the GEMM layout)"),
+    (lambda q: q.update(quant_method="awq", zero_point=False), "quantization_config awq zero_point false is not"),
+    (lambda q: q.__setitem__("quant_method", "exl2"), "quantization_config quant_method 'exl2' is not supported yet"),
+])
+def test_bad_int4_configs_are_one_line_for_load_and_discovery(edit, says, int4_ckpt, tmp_path):
+    from engine.discovery import inspect_model
+
+    path = _damaged(int4_ckpt, tmp_path, edit_config=edit)
+    assert f"config.json: {says}" in _refusal(path)
+    c = inspect_model(path)
+    assert not c.supported and says in c.reason
+
+
+def test_mislabelled_and_unlabelled_4_bit_checkpoints_are_refused(int4_ckpt, tmp_path):
+    from engine.discovery import inspect_model
+
+    twin = tmp_path / "twin"
+    shutil.copytree(int4_ckpt("q35")[1], twin)
+    conf = json.loads((twin / "config.json").read_text())
+    conf["quantization_config"] = gptq_config(128)
+    (twin / "config.json").write_text(json.dumps(conf))
+    says = "quantization_config says gptq but no tensor is 4-bit (no .qweight: a mislabelled checkpoint)"
+    assert says in _refusal(twin) and says in inspect_model(twin).reason
+    path = _damaged(int4_ckpt, tmp_path, edit_config=lambda q: q.clear())
+    conf = json.loads((path / "config.json").read_text())
+    del conf["quantization_config"]
+    (path / "config.json").write_text(json.dumps(conf))
+    says = "is a packed 4-bit tensor (GPTQ / AWQ) but config.json has no gptq or awq quantization_config"
+    assert says in _refusal(path) and says in inspect_model(path).reason
+
+
+def test_a_bad_mtp_tensor_falls_back_to_plain_decoding(int4_ckpt, tmp_path):
+    path = _damaged(int4_ckpt, tmp_path, edit_tensors=_set("mtp.fc.scales", torch.ones(3, 64, dtype=torch.float16)))
+    loaded = load(str(path))
+    assert loaded.mtp is None
+    assert any("tensor 'mtp.fc.scales' has shape (3, 64)" in f.reason and "plain decoding" in f.reason
+               for f in loaded.fallbacks)
+
+
+# --- the W4A16 Triton kernel (CUDA, or the CPU through Triton's interpreter; else skipped) -----------------------
+
+@pytest.mark.parametrize("k, n, group_size, act, rows", [(256, 96, 32, False, 1), (256, 72, 128, True, 4),
+                                                         (384, 64, -1, False, 16), (192, 40, 64, True, 5)])
+def test_w4a16_kernel_equals_the_dequantized_reference(triton_device, k, n, group_size, act, rows):
+    from engine import int4_triton
+
+    dev = triton_device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    gen = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=gen)
+    q, zeros, scales, g_idx = quantize(w, group_size, False, torch.randperm(k, generator=gen) if act else None)
+    parts = {"qweight": pack_along_k(q), "qzeros": pack_along_n(zeros), "scales": scales, "g_idx": g_idx}
+    p = int4.read_packed(int4.scheme(gptq_config(group_size, sym=False, desc_act=act, fmt="gptq_v2")), "x", parts,
+                         lambda part: "f")
+    lin = int4.Int4Linear(k, n, *(t.to(dev) if t is not None else None
+                                  for t in (p.qweight, p.zeros, p.scales)), p.group_size,
+                          p.perm.to(dev) if p.perm is not None else None)
+    x = torch.randn(1, rows, k, generator=gen).to(dev, dtype)
+    ref = x.float() @ dequantize(q, zeros, scales, g_idx).to(dev).T
+    out = int4_triton.forward(lin, x)
+    assert out.dtype == dtype and out.shape == (1, rows, n)
+    assert (out.float() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+    # rows do not depend on each other: the first row alone rounds as it does in the batch
+    assert torch.equal(int4_triton.forward(lin, x[:, :1]), out[:, :1])
+
+
+def test_4_bit_projections_that_read_one_input_are_fused(int4_engine):
+    attn = _layer(int4_engine("q35_act"), "full_attention").self_attn  # act-order: q / k / v share no perm here
+    assert not hasattr(attn, "int4_fused")
+    attn = _layer(int4_engine("q35"), "full_attention").self_attn
+    fused = attn.int4_fused
+    assert attn.int4_fused_names == ("q_proj", "k_proj", "v_proj") and fused.out_features == 128 + 32 + 32
+    assert attn.k_proj.qweight.data_ptr() == fused.qweight[:, 128:].data_ptr()  # the parts are views of it
+    x = torch.randn(1, 3, 64)
+    assert torch.equal(torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1), fused(x))
+
+
+def test_quantize_linears_rounds_to_the_symmetric_grid():
+    lin = torch.nn.Linear(256, 48, bias=False)
+    model = torch.nn.Sequential(lin)
+    assert int4.quantize_linears(model, 128) == 1
+    q = model[0]
+    assert isinstance(q, int4.Int4Linear) and q.qweight.shape == (32, 48) and q.scales.shape == (2, 48)
+    err = (q.dequantized() - lin.weight).abs().view(48, 2, 128)
+    # within half a step of the grid (a hair more where the float16 scale rounded down and the max clips at 7)
+    assert (err <= q.scales.float().T[:, :, None] * 0.505).all()  # 7.5 steps * (1 + 2**-11) - 7
+
+
+def test_bench_random_weights_int4(capsys):
+    from app.cli import main
+
+    code = main(["bench", "--random-weights", "tiny", "--quant", "int4", "--device", "cpu", "--depths", "0,2",
+                 "--drafter", "oracle", "--acceptance", "1.0", "--max-new-tokens", "6", "--repeat", "1", "--no-hf",
+                 "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    rows = {(r["depth"], r["drafter"]): r for r in out["results"]}
+    assert rows[2, "oracle@1"]["identical_to_plain"] is True and rows[2, "oracle@1"]["acceptance_rate"] == 1.0
+    assert out["backends"]["int4_linear"] == "dequantize"  # (the CPU: no kernel)
+    bf16 = json.loads(_bench_json(capsys, "bf16"))
+    # the 4-bit linears' packed bytes count: fewer bytes a token than the same preset's plain weights
+    assert 0 < out["weight_bytes_per_token"] < bf16["weight_bytes_per_token"]
+
+
+def _bench_json(capsys, quant):
+    from app.cli import main
+
+    main(["bench", "--random-weights", "tiny", "--quant", quant, "--device", "cpu", "--depths", "0",
+          "--max-new-tokens", "2", "--repeat", "1", "--no-hf", "--json"])
+    return capsys.readouterr().out
