@@ -70,6 +70,8 @@ def attention_layer_count(cfg) -> int:
     if isinstance(kinds, (list, tuple)):
         return sum(1 for k in kinds if k == "full_attention")
     n = _positive_int(_field(cfg, "num_hidden_layers")) or 0
+    if _field(cfg, "model_type") == "qwen3":
+        return n  # dense Qwen3 (config.json without layer_types): every layer attention (sliding ones as full)
     interval = _positive_int(_field(cfg, "full_attention_interval")) or DEFAULT_FULL_ATTENTION_INTERVAL
     return sum(1 for i in range(n) if (i + 1) % interval == 0)
 

@@ -42,7 +42,9 @@ def snapshot(engine) -> dict:
         "model": {"name": engine.info.name, "path": engine.info.path, "family": engine.info.family,
                   "model_type": engine.info.model_type, "params": engine.info.params,
                   "mtp_layers": engine.info.mtp_layers,
-                  "layers": {"gdn": t.kinds.count("linear_attention"), "attention": t.kinds.count("full_attention")}},
+                  "layers": {"gdn": t.kinds.count("linear_attention"), "attention": t.kinds.count("full_attention"),
+                             "sliding_attention": t.kinds.count("sliding_attention")}},
+        "drafter": _drafter_report(engine),
         "device": dev,
         "dtype": engine.info.dtype,
         "backends": {op: {"backend": b, "reason": why} for op, (b, why) in t.backends.choice.items()},
@@ -87,3 +89,16 @@ def _mtp_graphs(engine) -> dict:
     graphs, chains = (getattr(engine.mtp_drafter, name, None) for name in ("graphs", "chains"))
     out = {} if graphs is None else {"mtp_cuda_graphs": graphs.report()}
     return out if chains is None else {**out, "mtp_draft_chain_graphs": chains.report()}
+
+
+def _drafter_report(engine) -> dict:
+    """What drafts when a request names no drafter: the MTP head, a draft model (name, path, parameters) or none."""
+    d = engine.default_drafter()
+    out = {"name": getattr(d, "name", None), "choice": engine.drafter_choice}
+    if engine.draft_drafter is not None:
+        dl = engine.draft_drafter.loaded
+        graphs = engine.draft_drafter.graphs
+        out["draft_model"] = {"name": dl.name, "path": dl.path, "params": dl.params,
+                              "family": dl.trunk.family.name,
+                              "cuda_graphs": graphs.report() if graphs is not None else None}
+    return out

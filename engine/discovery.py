@@ -11,14 +11,16 @@ used is still listed, with ``supported=False`` and the reason, so `mtpchat model
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .checkpoint import (fp8_checkpoint, fp8_without_fp8_weights, quant_method, read_header, read_json,
-                         unloadable_dtype, unsupported_quantization, weight_files)
+from .checkpoint import (fp8_checkpoint, fp8_without_fp8_weights, int4_scheme, int4_without_int4_weights,
+                         quant_method, read_header, read_json, unloadable_dtype, unsupported_quantization,
+                         weight_files)
 from .context import DTYPE_BYTES, ContextInfo, context_info, text_part, tokens_that_fit
 from .environment import (DeviceInfo, cuda_unavailable_reason, fla_status, format_bytes, probe_device,
                           run_dtype)
@@ -70,12 +72,17 @@ class Candidate:
     source: str  # "embedded" | "hf-cache" | "folder"
     run_dtype: str | None = None  # the dtype mem_bytes assumes
     disk_bytes: int | None = None
+    # quantized tensors that load dequantizes to the run dtype (4-bit MoE experts): their bytes on disk, weights
+    dequantized_disk_bytes: int = 0
+    dequantized_params: int = 0
     has_tokenizer: bool = False
     mtp_layers_declared: int | None = None  # what config.json says, if anything
     notes: list[str] = field(default_factory=list)
     context: ContextInfo | None = None  # what config.json says of the context (limit, YaRN, attention layers)
     kv_bytes_per_token: int | None = None  # KV cache per position at run_dtype
     context_fits: int | None = None  # positions of KV cache free memory holds beside the model (<= its context)
+    vocabulary: str | None = None  # digest of the tokenizer's token -> id map and the vocab size (draft pairing)
+    drafts: list[str] = field(default_factory=list)  # paths of discovered models that can draft for it (pair_drafts)
 
     @property
     def context_limit(self) -> int | None:
@@ -174,40 +181,89 @@ def inspect_model(path: str | os.PathLike, source: str = "folder", name: str | N
         tensors = {}
     if tensors:
         cand.disk_bytes = disk
-        cand.params = sum(_numel(shape) for _, shape in tensors.values())
-        by_dtype: dict[str, int] = {}
-        for dt, shape in tensors.values():
-            by_dtype[dt] = by_dtype.get(dt, 0) + _numel(shape)
-        top = max(by_dtype, key=by_dtype.get)
+        cand.params, top = weights_and_dtype(tensors)
         cand.dtype = SAFETENSORS_DTYPES.get(top, (top.lower(), 0))[0]
         if cand.quantization is None and top.startswith("F8"):
             cand.quantization = "fp8"
         cand.mtp_layers = count_mtp_layers(tensors, cand)
+        cand.dequantized_disk_bytes, cand.dequantized_params = dequantized_at_load(tensors)
     else:
         cand.dtype = _config_dtype(cfg)
     cand.context = context_info(text_part(cfg), cand.mtp_layers)
 
     # what load refuses from config.json and the headers, in load's words
-    quantized = unsupported_quantization(cfg) or (tensors and fp8_without_fp8_weights(
-        cfg, {k: d for k, (d, _) in tensors.items()}))
+    quantized = unsupported_quantization(cfg) or (tensors and (fp8_without_fp8_weights(
+        cfg, {k: d for k, (d, _) in tensors.items()}) or int4_without_int4_weights(cfg, tensors)))
     if quantized:
         problems.append(f"config.json: {quantized}")
     if fam is not None:
-        problems += unloadable_tensors(tensors, file_of, fam, fp8_checkpoint(cfg))[:1]
+        problems += unloadable_tensors(tensors, file_of, fam, fp8_checkpoint(cfg), int4_scheme(cfg) is not None)[:1]
     if cand.mtp_layers_declared and not cand.mtp_layers and tensors:
         cand.notes.append(f"config declares {cand.mtp_layers_declared} MTP layer(s) but the checkpoint has no "
                           f"usable mtp.* tensors: plain decoding")
     cand.supported = not problems
     cand.reason = problems[0] if problems else ""
+    if cand.supported:
+        cand.vocabulary = vocabulary_digest(root, text_part(cfg).get("vocab_size"))
     return assess(cand, device) if device is not None else cand
 
 
-def unloadable_tensors(tensors: dict, file_of: dict[str, str], fam, fp8: bool = False) -> list[str]:
+def vocabulary_digest(root: Path, vocab_size) -> str | None:
+    """A digest of tokenizer.json's token -> id map (the BPE vocabulary and the added tokens) with the config's
+    vocab_size: two models with the same digest read each other's token ids as the same tokens (what a draft
+    model needs: draft_model.check_pair checks it again at load). None without a readable tokenizer.json."""
+    import hashlib
+
+    try:
+        data = json.loads((root / "tokenizer.json").read_text(encoding="utf-8"))
+        vocab = dict(data.get("model", {}).get("vocab") or {})
+        vocab.update({t["content"]: t["id"] for t in data.get("added_tokens") or []})
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if not vocab:
+        return None
+    text = json.dumps([vocab_size, sorted(vocab.items(), key=lambda kv: (kv[1], kv[0]))], ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+DRAFT_FRACTION = 0.25  # a draft has at most this share of the target's parameters (else it saves little)
+
+
+def pair_drafts(candidates: list[Candidate]) -> None:
+    """Fill each usable model's `drafts` (smallest first) with the other usable models of its tokenizer, at most
+    DRAFT_FRACTION of its size (e.g. Qwen3-0.6B for Qwen3-Next-80B: the same tokenizer), and note the pairing."""
+    usable = [c for c in candidates if c.supported and c.vocabulary and c.params]
+    for target in usable:
+        drafts = sorted((d for d in usable if d is not target and d.vocabulary == target.vocabulary
+                         and d.params <= DRAFT_FRACTION * target.params), key=lambda d: d.params)
+        target.drafts = [d.path for d in drafts]
+        if drafts:
+            target.notes.append(f"draft models (--draft-model): {', '.join(d.name for d in drafts[:3])}"
+                                + (f" and {len(drafts) - 3} more" if len(drafts) > 3 else ""))
+
+
+_INT4_AUX = (".qzeros", ".scales", ".g_idx", ".weight_scale_inv")  # (and FP8's block scales)
+
+
+def weights_and_dtype(tensors: dict) -> tuple[int, str]:
+    """(how many weights the tensors {name: (dtype, shape)} hold, the safetensors dtype most of the float ones
+    have). A packed 4-bit qweight (int32) holds 8 weights an element; its qzeros / scales / g_idx (and FP8's
+    weight_scale_inv) are not weights, and the run dtype is the float tensors'."""
+    params = sum(_numel(shape) * (8 if k.endswith(".qweight") else 0 if k.endswith(_INT4_AUX) else 1)
+                 for k, (_, shape) in tensors.items())
+    by_dtype: dict[str, int] = {}
+    for dt, shape in tensors.values():
+        if not dt.startswith("I"):
+            by_dtype[dt] = by_dtype.get(dt, 0) + _numel(shape)
+    return params, max(by_dtype, key=by_dtype.get) if by_dtype else next(iter(tensors.values()))[0]
+
+
+def unloadable_tensors(tensors: dict, file_of: dict[str, str], fam, fp8: bool = False, int4: bool = False) -> list[str]:
     """Why each tensor that load would read (trunk and MTP head, not a vision tower) cannot be loaded."""
     out = []
     for name, (dtype, _) in tensors.items():
         if fam.trunk_key(name) is not None or name.startswith("mtp."):
-            why = unloadable_dtype(name, dtype, tensors, fp8)
+            why = unloadable_dtype(name, dtype, tensors, fp8, int4)
             if why:
                 out.append(f"{file_of[name]}: {why}")
     return out
@@ -231,6 +287,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _default_name(root: Path) -> str:
+    if root.resolve() == EMBEDDED_DIR:  # the same name in the picker, `models` and the loaded engine's info
+        return EMBEDDED_NAME
     parts = root.absolute().parts
     # .../models--org--name/snapshots/<rev>: name it like the Hub does
     if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
@@ -238,12 +296,30 @@ def _default_name(root: Path) -> str:
     return root.name or str(root)
 
 
+# Per-expert 4-bit MoE weights: engine/int4.py dequantizes them at load (fuse_experts stacks plain weights), so
+# they take the run dtype's bytes. FP8 experts stay FP8 (fp8.FP8Experts): their size on disk is their memory.
+_INT4_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(?:gate_proj|up_proj|down_proj)\.(qweight|qzeros|scales|g_idx)$")
+
+
+def dequantized_at_load(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[int, int]:
+    """(bytes on disk, weights) of the quantized tensors (safetensors headers: name -> (dtype, shape)) that load
+    dequantizes to the run dtype."""
+    disk = weights = 0
+    for k, (dt, shape) in tensors.items():
+        m = _INT4_EXPERT.search(k)
+        if m:
+            disk += _numel(shape) * SAFETENSORS_DTYPES.get(dt, (None, 4))[1]
+            weights += _numel(shape) * 8 if m.group(1) == "qweight" else 0  # 8 nibbles an int32
+    return disk, weights
+
+
 def estimate_memory(cand: Candidate, device: DeviceInfo) -> tuple[str | None, int | None]:
-    """(run dtype, bytes) to run `cand` on `device`: weights in the run dtype (quantized ones as stored) plus a
-    margin for activations, caches and the runtime."""
+    """(run dtype, bytes) to run `cand` on `device`: weights in the run dtype (quantized ones as stored, but those
+    load dequantizes at the run dtype) plus a margin for activations, caches and the runtime."""
     dtype = run_dtype(device, cand.dtype)
     if cand.quantization and cand.disk_bytes:
-        weights = cand.disk_bytes
+        weights = (cand.disk_bytes - cand.dequantized_disk_bytes
+                   + cand.dequantized_params * _DTYPE_BYTES.get(dtype, 4))
     elif cand.params is not None:
         weights = cand.params * _DTYPE_BYTES.get(dtype, 4)
     else:
@@ -382,6 +458,7 @@ def discover(extra_paths=(), include_hf_cache: bool = True, include_embedded: bo
                 add(snap, "hf-cache", name=repo_id)
     if include_embedded and (EMBEDDED_DIR / "config.json").exists():
         add(EMBEDDED_DIR, "embedded", name=EMBEDDED_NAME)
+    pair_drafts(found)
     return found
 
 
@@ -389,9 +466,15 @@ def discover(extra_paths=(), include_hf_cache: bool = True, include_embedded: bo
 # Choosing
 
 
-def _rank(c: Candidate) -> tuple:
-    # A real checkpoint beats the embedded demo; then an MTP head; then a tokenizer (chat needs one); then size.
-    return (c.source != "embedded", c.has_mtp, c.has_tokenizer, c.params or 0)
+def _rank(c: Candidate, device: DeviceInfo) -> tuple:
+    # A real checkpoint beats the embedded demo; then an MTP head; then a tokenizer (chat needs one); then size;
+    # then, between releases of one size, the faster one here: FP8 on CUDA (its kernels read half bf16's bytes),
+    # the unquantized one on the CPU (FP8 there dequantizes every weight at every step).
+    return (c.source != "embedded", c.has_mtp, c.has_tokenizer, c.params or 0, _faster_here(c, device))
+
+
+def _faster_here(c: Candidate, device: DeviceInfo) -> bool:
+    return c.quantization == "fp8" if device.kind == "cuda" else not c.quantization
 
 
 def _match_pinned(pinned: str, candidates: list[Candidate]) -> Candidate | None:
@@ -467,7 +550,7 @@ def choose(candidates: list[Candidate], device: DeviceInfo, pinned: str | None =
             rejected = [(c.name, "a model is pinned") for c in cands if c is not hit]
             return Choice(hit, reason, rejected)
 
-    usable = sorted((c for c in cands if c.supported and c.fits_device), key=_rank, reverse=True)
+    usable = sorted((c for c in cands if c.supported and c.fits_device), key=lambda c: _rank(c, device), reverse=True)
     if not usable:
         rejected = [(c.name, _why_not(c, device, gpus)) for c in cands]
         if not cands:
@@ -510,6 +593,9 @@ def choose(candidates: list[Candidate], device: DeviceInfo, pinned: str | None =
                 r = "no MTP head"
             elif best.has_tokenizer and not c.has_tokenizer:
                 r = "no tokenizer"
+            elif (c.params or 0) == (best.params or 0) and _faster_here(best, device) != _faster_here(c, device):
+                r = f"{best.name} is the same size and faster on {device.torch_device}" \
+                    f" ({'FP8 kernels' if best.quantization == 'fp8' else 'no per-step dequantizing'})"
             else:
                 r = f"smaller than {best.name}"
             rejected.append((c.name, r))

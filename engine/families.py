@@ -17,7 +17,7 @@ from .errors import EngineError
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # "qwen3_next" | "qwen3_5" | "qwen3_5_moe"
+    name: str  # "qwen3_next" | "qwen3_5" | "qwen3_5_moe" | "qwen3" (dense: every layer attention, no MTP head)
     wrapped: bool  # vision-language release: trunk under model.language_model.*, vision under model.visual.*
 
     def text_config(self, raw: dict, where: str = "config.json"):
@@ -28,12 +28,13 @@ class Family:
         text = self._text_fields(raw, where)
         _check_norm_eps(text, where)
         cls = {"qwen3_next": tf.Qwen3NextConfig, "qwen3_5": tf.Qwen3_5TextConfig,
-               "qwen3_5_moe": tf.Qwen3_5MoeTextConfig}[self.name]
+               "qwen3_5_moe": tf.Qwen3_5MoeTextConfig, "qwen3": tf.Qwen3Config}[self.name]
         try:
             cfg = cls(**text)
         except Exception as e:  # transformers' own validation: a wrong type or value of some field
             raise EngineError(f"{where}: invalid {self.name} config ({' '.join(str(e).split())[:300]})") from None
         _check_rope_type(cfg, where)
+        _check_sliding_window(cfg, where)
         return cfg
 
     def _text_fields(self, raw: dict, where: str) -> dict:
@@ -53,13 +54,14 @@ class Family:
             "qwen3_next": tf.Qwen3NextForCausalLM,
             "qwen3_5": tf.Qwen3_5ForCausalLM,
             "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM,
+            "qwen3": tf.Qwen3ForCausalLM,
         }[self.name]
 
     def decoder_layer_class(self):
         import importlib
 
         mod = importlib.import_module(f"transformers.models.{self.name}.modeling_{self.name}")
-        prefix = {"qwen3_next": "Qwen3Next", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[self.name]
+        prefix = {"qwen3_next": "Qwen3Next", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "qwen3": "Qwen3"}[self.name]
         return getattr(mod, f"{prefix}DecoderLayer"), getattr(mod, f"{prefix}RMSNorm")
 
     def trunk_key(self, key: str) -> str | None:
@@ -80,7 +82,13 @@ SUPPORTED = {
     "qwen3_5_text": Family("qwen3_5", wrapped=False),
     "qwen3_5_moe": Family("qwen3_5_moe", wrapped=True),
     "qwen3_5_moe_text": Family("qwen3_5_moe", wrapped=False),
+    # dense Qwen3 (0.6B .. 32B): plain (ungated) attention with per-head q/k norms, optional sliding-window layers;
+    # no MTP head, so alone it decodes plainly; it drafts for the others (the same tokenizer as Qwen3-Next)
+    "qwen3": Family("qwen3", wrapped=False),
 }
+
+# The layer kinds the engine runs: GDN, full attention, and attention over a sliding window (rotating_cache.py)
+LAYER_KINDS = ("linear_attention", "full_attention", "sliding_attention")
 
 
 def family_for(raw_config: dict, where: str) -> Family:
@@ -119,6 +127,25 @@ def _check_rope_type(cfg, where: str) -> None:
         raise EngineError(f"{where}: rope_type {kind!r} is not supported (known: {', '.join(known)})")
 
 
+def sliding_window(cfg) -> int | None:
+    """The window of the config's sliding_attention layers (positions a query sees, itself included), None when
+    it has none. transformers' Qwen3Config drops sliding_window unless use_sliding_window, and derives
+    layer_types from max_window_layers; other configs declare layer_types and sliding_window directly."""
+    kinds = getattr(cfg, "layer_types", None) or []
+    if "sliding_attention" not in kinds:
+        return None
+    return getattr(cfg, "sliding_window", None)
+
+
+def _check_sliding_window(cfg, where: str) -> None:
+    kinds = getattr(cfg, "layer_types", None) or []
+    if "sliding_attention" in kinds:
+        w = getattr(cfg, "sliding_window", None)
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise EngineError(f"{where}: sliding_attention layers need a sliding_window of at least 1 position, "
+                              f"got {w!r}")
+
+
 def _drop_meta(cfg: dict) -> dict:
     for k in ("architectures", "transformers_version", "auto_map", "model_type"):
         cfg.pop(k, None)
@@ -127,28 +154,35 @@ def _drop_meta(cfg: dict) -> dict:
 
 # --- tensor layout conversions -------------------------------------------------------------------------------
 
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
 
 
 def fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert checkpoints (experts.N.{gate,up,down}_proj) -> transformers' fused 3-D parameters."""
+    """Per-expert checkpoints (experts.N.{gate,up,down}_proj) -> transformers' fused 3-D parameters. FP8 experts'
+    block scales (what fp8.adopt keeps) stack alike, as `gate_up_proj_scale_inv` (each expert's gate block rows,
+    then its up ones) and `down_proj_scale_inv`: the layout fp8.FP8Experts holds."""
     groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     out = {}
     for k, v in tensors.items():
-        m = _EXPERT.match(k)
+        m = PER_EXPERT.match(k)
         if m:
-            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = v
+            part = m.group(3) + ("" if m.group(4) == "weight" else "_scale_inv")
+            groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[part] = v
         else:
             out[k] = v
     for prefix, experts in groups.items():
         n = max(experts) + 1
-        missing = [i for i in range(n) if set(experts.get(i, {})) != {"gate_proj", "up_proj", "down_proj"}]
+        scaled = any("gate_proj_scale_inv" in e for e in experts.values())
+        suffixes = ("", "_scale_inv") if scaled else ("",)
+        want = {p + s for p in ("gate_proj", "up_proj", "down_proj") for s in suffixes}
+        missing = [i for i in range(n) if set(experts.get(i, {})) != want]
         if missing:
             raise EngineError(f"{prefix}: expert {missing[0]} is incomplete in the checkpoint")
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([experts[i]["gate_proj"], experts[i]["up_proj"]], 0) for i in range(n)]
-        )
-        out[f"{prefix}.down_proj"] = torch.stack([experts[i]["down_proj"] for i in range(n)])
+        for s in suffixes:
+            out[f"{prefix}.gate_up_proj{s}"] = torch.stack(
+                [torch.cat([experts[i]["gate_proj" + s], experts[i]["up_proj" + s]], 0) for i in range(n)]
+            )
+            out[f"{prefix}.down_proj{s}"] = torch.stack([experts[i]["down_proj" + s] for i in range(n)])
     return out
 
 
@@ -156,6 +190,8 @@ def convert_gdn_layout(tensors: dict[str, torch.Tensor], module_keys: set[str], 
     """Qwen3-Next packs GDN projections per key head (`in_proj_qkvz` + `in_proj_ba`); Qwen3.5 keeps them apart
     (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`). Convert whichever the checkpoint has into what the
     module expects."""
+    if not hasattr(cfg, "linear_num_key_heads"):  # a dense model: no GDN layers
+        return dict(tensors)
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     r = nv // nk

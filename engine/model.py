@@ -11,13 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams
 
-from . import gdn
+from . import fp8, gdn, int4
 from .cache import KVCache, GDNState, kv_write, kv_write_at
 from .checkpoint import TensorFiles, model_dir, read_json
 from .errors import EngineError
 from .events import Fallback
 from .fusion import dense_mlp, fuse_all, linears
-from .families import Family, convert_gdn_layout, family_for, fuse_experts, mtp_layers_declared
+from .families import (LAYER_KINDS, Family, convert_gdn_layout, family_for, fuse_experts, mtp_layers_declared,
+                       sliding_window)
+from .rotating_cache import RotatingKV
 from .kernels import Backends, relative_error, select_backends
 
 
@@ -96,29 +98,40 @@ def causal_attention(q, keys, values, pos: int, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+# Graph-mode attention over a capacity up to this many positions stays the masked form: measured per call on the
+# H200 (27B shape, 4 queries), masked 0.123 / 0.134 / 0.471 ms at 2k / 32k / 131k positions, the split-K kernel
+# 0.153 / 0.148 / 0.213 ms: they cross near 37k. The capacity is a static shape, so each capture picks one.
+TRITON_MIN_CAPACITY = 40960
+
+
 def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, path: str = "masked") -> torch.Tensor:
     """Gated full attention (Qwen3-Next / 3.5): q_proj yields the query and a sigmoid output gate. path: the
     graph-mode attention (Backends.decode_attention)."""
     B, T, _ = x.shape
     hd = attn.head_dim
     qg, k, v = linears(attn, ("q_proj", "k_proj", "v_proj"), x)
-    q, gate = qg.reshape(B, T, -1, 2 * hd).chunk(2, dim=-1)
+    if getattr(attn, "gated", True):
+        q, gate = qg.reshape(B, T, -1, 2 * hd).chunk(2, dim=-1)
+    else:  # dense Qwen3: no output gate
+        q, gate = qg.reshape(B, T, -1, hd), None
     q = attn.q_norm(q).transpose(1, 2)
     k = attn.k_norm(k.reshape(B, T, -1, hd)).transpose(1, 2)
     v = v.reshape(B, T, -1, hd).transpose(1, 2)
     q, k = apply_rope(q, k, cos, sin)
-    if isinstance(pos, int):
+    if values is None:  # a sliding-window layer: `keys` is its ring (rotating_cache.RingLayer)
+        o = keys.attend(q, k, v, attn.scaling)
+    elif isinstance(pos, int):
         keys, values = kv_write(keys, values, pos, k, v)
         o = causal_attention(q, keys, values, pos, attn.scaling)
     else:  # CUDA-graph capture: the position lives on the device, shapes are the cache's whole capacity
         keys, values = kv_write_at(keys, values, pos, k, v)  # (pos: the positions [T])
-        if path == "triton":  # the filled length only (attention_triton.py)
+        if path == "triton" and keys.shape[2] > TRITON_MIN_CAPACITY:  # the filled length only (attention_triton)
             o = torch.ops.mtpchat.decode_attention(q, keys, values, pos, attn.scaling)
         else:
             future = torch.arange(keys.shape[2], device=k.device)[None, :] > pos[:, None]
             o = masked_decode_attention(q, keys, values, future, attn.scaling)
     # [B, T, heads, D] from views, no copies: the gate first, so that the product takes its contiguous layout
-    o = torch.sigmoid(gate) * o.transpose(1, 2)
+    o = o.transpose(1, 2) if gate is None else torch.sigmoid(gate) * o.transpose(1, 2)
     return attn.o_proj(o.reshape(B, T, -1))
 
 
@@ -163,15 +176,28 @@ def moe_rowwise(block, x: torch.Tensor) -> torch.Tensor:
     weights, idx = route(block, h)
     experts, flat = block.experts, idx.reshape(-1)
     rows = h.repeat_interleave(idx.shape[1], dim=0).unsqueeze(-1)  # [N * k, H, 1]
-    gate, up = torch.bmm(experts.gate_up_proj[flat], rows).squeeze(-1).chunk(2, dim=-1)
-    y = torch.bmm(experts.down_proj[flat], (experts.act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)
+    gate_up, down = expert_weights(experts, flat, h.dtype)
+    gate, up = torch.bmm(gate_up, rows).squeeze(-1).chunk(2, dim=-1)
+    y = torch.bmm(down, (experts.act_fn(gate) * up).unsqueeze(-1)).squeeze(-1)
     return combine(block, h, y, weights, x.shape)
+
+
+def expert_weights(experts, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [P, 2I, H], down [P, H, I]) of experts `ids` [P], gathered; FP8 experts dequantize only these,
+    exactly in float32 (fp8.FP8Experts.dense), so the CPU's float32 path stays the exact reference."""
+    if isinstance(experts, fp8.FP8Experts):
+        return experts.dense(ids, dtype)
+    return experts.gate_up_proj[ids], experts.down_proj[ids]
 
 
 def moe_grouped(block, x: torch.Tensor) -> torch.Tensor:
     """The same computation as moe_rowwise with the (token, expert) pairs sorted by expert and one grouped GEMM
     per projection (torch._grouped_mm): each routed expert's weights are read in place, once, and experts
-    nobody routed to are not read at all. Group boundaries are computed on the device (no host sync: graph-safe)."""
+    nobody routed to are not read at all. Group boundaries are computed on the device (no host sync: graph-safe).
+    Not for FP8 experts: no grouped GEMM here reads FP8 (dequantizing every expert per call would cost more than
+    the row-wise path's gather), so moe_check skips it."""
+    if isinstance(block.experts, fp8.FP8Experts):
+        raise ValueError("grouped_mm does not read FP8 experts")
     h = x.reshape(-1, x.shape[-1])
     weights, idx = route(block, h)
     experts, flat = block.experts, idx.reshape(-1)
@@ -212,6 +238,16 @@ def choose_norm(backends, modules, device, dtype) -> None:
     backends.choice["rmsnorm"] = ("triton" if why.startswith("Triton") else "torch", why)
 
 
+def choose_fp8(backends, modules, device, dtype) -> None:
+    """FP8 linears' forward: the Triton W8A16 kernel on CUDA in 16-bit (fp8_triton.py), else dequantize-then-matmul
+    (exact in float32: the CPU's reference). Nothing is recorded for a model without FP8 weights."""
+    from .fp8_triton import install
+
+    why = install(modules, device, dtype)
+    if why is not None:
+        backends.choice["fp8_linear"] = ("triton" if why.startswith("Triton") else "dequantize", why)
+
+
 def choose_decode_attention(trunk) -> None:
     """Graph-mode attention: the split-K Triton kernel over the filled length (attention_triton.py) when it
     serves this trunk and matches the masked form on random inputs; else the masked form, with the reason."""
@@ -221,9 +257,8 @@ def choose_decode_attention(trunk) -> None:
 
     c = trunk.config
     why = attention_triton.usable(trunk.device, trunk.dtype, c.head_dim)
-    if why is None and os.environ.get("MTPCHAT_DECODE_ATTENTION") != "triton":
-        # opt-in until it is measured on a GPU (checked against the masked form in Triton's interpreter only)
-        why = "the split-K kernel is opt-in: MTPCHAT_DECODE_ATTENTION=triton"
+    if why is None and os.environ.get("MTPCHAT_DECODE_ATTENTION") == "masked":
+        why = "MTPCHAT_DECODE_ATTENTION=masked"
     if why is None:
         try:
             err = attention_triton.self_check(trunk.device, trunk.dtype, c.num_attention_heads,
@@ -233,8 +268,9 @@ def choose_decode_attention(trunk) -> None:
             why = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     if why is None:
         trunk.backends.decode_attention = "triton"
-        trunk.backends.choice["decode_attention"] = ("triton", f"split-K Triton kernel over the filled length "
-                                                               f"(self-check {err:.1e})")
+        trunk.backends.choice["decode_attention"] = ("triton", f"split-K Triton kernel over the filled length for "
+                                                               f"caches over {TRITON_MIN_CAPACITY} positions, "
+                                                               f"the masked form below (self-check {err:.1e})")
     else:
         trunk.backends.choice["decode_attention"] = ("masked", f"matmuls and a softmax over the whole capacity "
                                                                f"({why})")
@@ -242,7 +278,9 @@ def choose_decode_attention(trunk) -> None:
 
 def moe_check(trunk) -> tuple[str, str]:
     """The fastest MoE path whose output matches moe_rowwise's on the first MoE layer: Triton kernels, then
-    grouped GEMMs. CUDA only (on the CPU the row-wise form is the exact reference the tests hold)."""
+    grouped GEMMs. CUDA only (on the CPU the row-wise form is the exact reference the tests hold). FP8 experts
+    (fp8.FP8Experts) are checked the same way, through the kernels' FP8 variant, against moe_rowwise's exact
+    dequantization; grouped GEMMs do not serve them."""
     layer = next((l for l in trunk.layers if hasattr(l.mlp, "experts")), None)
     if layer is None:
         return "rowwise", "no MoE layers"
@@ -254,6 +292,8 @@ def moe_check(trunk) -> tuple[str, str]:
 
     missing = {"triton": None if available() else "triton: not installed",
                "grouped_mm": None if hasattr(torch, "_grouped_mm") else "grouped_mm: not in this torch"}
+    if isinstance(layer.mlp.experts, fp8.FP8Experts) and not missing["grouped_mm"]:
+        missing["grouped_mm"] = "grouped_mm: FP8 experts"
     gen = torch.Generator(device=trunk.device).manual_seed(0)
     x = torch.randn(1, 4, trunk.config.hidden_size, generator=gen, device=trunk.device, dtype=trunk.dtype)
     failures = []
@@ -285,7 +325,7 @@ def block(trunk, layer, kind: str, h, pos, cos, sin, state: tuple, rows: tuple |
             x = gdn.verify(layer.linear_attn, x, *state, trunk.backends, rows)
         else:
             x = gdn.prefill(layer.linear_attn, x, *state, trunk.backends)
-    else:
+    else:  # full attention, or a sliding window (state: its ring, rotating_cache.RotatingKV.layer)
         x = attention(layer.self_attn, x, pos, cos, sin, *state, trunk.backends.decode_attention)
     h = h + trunk.reduce(x)
     return h + trunk.reduce(mlp(layer, h, trunk.backends.moe))
@@ -312,7 +352,7 @@ class Trunk:
     device: torch.device
     dtype: torch.dtype
     backends: Backends
-    kinds: list[str] = field(default_factory=list)  # per layer: "linear_attention" | "full_attention"
+    kinds: list[str] = field(default_factory=list)  # per layer: families.LAYER_KINDS
     slots: list[int] = field(default_factory=list)  # index of each layer in its cache (GDN or KV)
     group: object | None = None  # tensor parallelism: an object with all_reduce(x) and gather_vocab(x) (tp.py)
     graphs: object | None = None  # graphs.GraphRunner: verify steps replayed as CUDA graphs
@@ -320,9 +360,14 @@ class Trunk:
 
     def __post_init__(self):
         # every way of building a trunk (checkpoint, random weights, a tensor-parallel shard) runs the same steps
+        for layer in self.layers:  # dense Qwen3's attention has no output gate in q_proj
+            if hasattr(layer, "self_attn"):
+                layer.self_attn.gated = self.family.name != "qwen3"
         fuse_all(self.layers)
         choose_moe(self)
         choose_norm(self.backends, self.lm.modules(), self.device, self.dtype)
+        choose_fp8(self.backends, self.lm.modules(), self.device, self.dtype)
+        int4.choose(self.backends, self.lm.modules(), self.device, self.dtype)
         choose_decode_attention(self)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -347,17 +392,24 @@ class Trunk:
     def new_caches(self) -> "TrunkCaches":
         c = self.config
         n_gdn = self.kinds.count("linear_attention")
-        n_attn = len(self.kinds) - n_gdn
+        n_window = self.kinds.count("sliding_attention")
+        n_attn = len(self.kinds) - n_gdn - n_window
         mixer = next((l.linear_attn for l, k in zip(self.layers, self.kinds) if k == "linear_attention"), None)
-        dims = dict(nk=c.linear_num_key_heads, dk=c.linear_key_head_dim, nv=c.linear_num_value_heads,
-                    dv=c.linear_value_head_dim, kernel=c.linear_conv_kernel_dim,
-                    conv=mixer.conv_dim if mixer is not None else 0)
+        # (a dense model has no GDN fields: empty GDN state and stash)
+        dims = dict(nk=getattr(c, "linear_num_key_heads", 0), dk=getattr(c, "linear_key_head_dim", 0),
+                    nv=getattr(c, "linear_num_value_heads", 0), dv=getattr(c, "linear_value_head_dim", 0),
+                    kernel=getattr(c, "linear_conv_kernel_dim", 1), conv=mixer.conv_dim if mixer is not None else 0)
+        window = None
+        if n_window:
+            window = RotatingKV(n_window, c.num_key_value_heads, c.head_dim, sliding_window(c), self.dtype,
+                                self.device)
         return TrunkCaches(
             kv=KVCache(n_attn, c.num_key_value_heads, c.head_dim, self.dtype, self.device),
             gdn=GDNState(n_gdn, dims["conv"], dims["kernel"], dims["nv"], dims["dk"], dims["dv"], self.dtype,
                          self.device),
             dims=dims,
             n_gdn=n_gdn,
+            window=window,
         )
 
     def positions(self, pos, T: int):
@@ -379,10 +431,15 @@ class Trunk:
         layers and the MTP head's. Prefill and eager steps (pos an int) stay eager."""
         return self.compiled_block if self.compiled_block is not None and not isinstance(pos, int) else block
 
-    def forward(self, tokens: torch.Tensor, pos: int, caches: "TrunkCaches", verify: bool, rope=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, pos: int, caches: "TrunkCaches", verify: bool, rope=None,
+                chain: int = 0) -> torch.Tensor:
         """Run tokens [1, T] at positions pos..pos+T-1; return the hidden states after the final norm.
 
         verify=False (prefill) writes the GDN state; verify=True stashes for commit(m) and leaves it alone.
+        chain > 0: a draft model's next chained step, a verify pass that continues the one before it: its GDN
+        layers start from that pass's final state and stash their rows after its `chain` rows, so commit(m) keeps
+        any prefix of the whole chain (one replay, as for one verify pass; draft_model.py). The stash must be wide
+        enough already (stash_for before the chain's first step).
         """
         T = tokens.shape[1]
         if verify and self.graphs is not None and isinstance(pos, int):
@@ -390,17 +447,37 @@ class Trunk:
         h = self.embed(tokens)
         pos = self.positions(pos, T)
         cos, sin = rope or self.rope(pos, T)
-        stash = caches.stash_for(T, self) if verify else None
+        if chain and not caches.stash.fits(caches.n_gdn, chain + T, self.dtype, self.device):
+            raise RuntimeError(f"a chained step past the verify stash's {caches.stash.key[1]} rows")
+        stash = caches.stash_for(chain + T, self) if verify else None
+        if caches.window is not None:
+            if not isinstance(pos, int):  # (the engine runs sliding-window models eagerly: api.Engine)
+                raise RuntimeError("sliding-window layers have no graph-mode attention")
+            caches.window.begin(pos, T, speculative=verify)
         step = self.layer_step(pos)
         for layer, kind, slot in zip(self.layers, self.kinds, self.slots):
             if kind == "linear_attention":
                 state, rows = caches.gdn.layer(slot), stash.rows(slot) if stash is not None else None
+                if chain:
+                    state, rows = chained(stash, slot, chain, caches.dims["kernel"] - 1)
+            elif kind == "sliding_attention":
+                state, rows = caches.window.layer(slot), None
             else:
                 state, rows = caches.kv.layer(slot), None
             h = step(self, layer, kind, h, pos, cos, sin, state, rows)
         if stash is not None:
-            stash.width = T
+            stash.width = chain + T
         return self.lm.model.norm(h)
+
+
+def chained(stash: gdn.VerifyStash, i: int, at: int, k1: int) -> tuple[tuple, tuple]:
+    """GDN layer i's (state, stash rows) for a pass continuing a chain after `at` stashed rows: the state is the
+    previous pass's final state and the conv window that ends at row `at` (the stash's window columns at ..
+    at + k1, which the pass's own window then starts with: gdn.verify's copy of them is onto themselves), the
+    rows are the stash's from row `at` on."""
+    q, k, v, g, beta, window, final = stash.rows(i)
+    return (window[:, at : at + k1], stash.final[i : i + 1]), (q[at:], k[at:], v[at:], g[at:], beta[at:],
+                                                              window[:, at:], final)
 
 
 @dataclass
@@ -411,6 +488,7 @@ class TrunkCaches:
     n_gdn: int
     stash: gdn.VerifyStash | None = None
     processed: int = 0  # tokens whose state the caches hold
+    window: RotatingKV | None = None  # sliding-window layers' rings (rotating_cache.py)
 
     def stash_for(self, width: int, trunk: Trunk) -> gdn.VerifyStash:
         if self.stash is None or not self.stash.fits(self.n_gdn, width, trunk.dtype, trunk.device):
@@ -427,6 +505,8 @@ class TrunkCaches:
         GraphRunner, whose graphs replay the GDN recurrence (None: eager)."""
         if self.n_gdn:
             gdn.commit(self.gdn, self.stash, m, backends, gdn.keep_rows if graphs is None else graphs.keep_rows)
+        if self.window is not None:
+            self.window.settle(self.processed + m + 1)
         self.advance(m + 1)
 
     def abort(self) -> None:
@@ -434,8 +514,12 @@ class TrunkCaches:
         if self.stash is not None:
             self.stash.width = 0
         self.kv.trim(self.processed)
+        if self.window is not None:
+            self.window.settle(self.processed)
 
     def reset(self) -> None:
+        if self.window is not None:
+            self.window.reset()
         self.gdn.reset()
         self.processed = 0
         self.abort()
@@ -474,10 +558,13 @@ def default_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
     return torch.device(device), table[dtype], fallbacks
 
 
-def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> Loaded:
-    """tp: a tp.TPGroup: load only this rank's shard (see tp.py); None: the whole model on one device."""
-    from . import fp8
-    from .checkpoint import fp8_checkpoint, fp8_without_fp8_weights, unsupported_quantization
+def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp_from=None) -> Loaded:
+    """tp: a tp.TPGroup: load only this rank's shard (see tp.py); None: the whole model on one device.
+    mtp_from: another release of the same model whose mtp.* tensors make the MTP head (mtp_from.py); a head that
+    does not fit this model is then refused (EngineError), not a fallback."""
+    from . import fp8, int4
+    from .checkpoint import (fp8_checkpoint, fp8_without_fp8_weights, int4_scheme, int4_without_int4_weights,
+                             unsupported_quantization)
     from .mtp import MTPHead, MTPUnusable
 
     root = model_dir(path)
@@ -493,17 +580,21 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> 
     cfg = family.text_config(raw, where)
     files = TensorFiles.open(root)
     files.fp8 = fp8_checkpoint(raw)
-    mislabelled = fp8_without_fp8_weights(raw, files.dtype_of)
+    files.int4 = int4_scheme(raw)
+    mislabelled = fp8_without_fp8_weights(raw, files.dtype_of) or int4_without_int4_weights(raw, files.file_of)
     if mislabelled:
         raise EngineError(f"{where}: {mislabelled}")
-    if files.fp8 and tp is not None:  # a rank's slice of a weight would need the matching slice of its scales
-        raise EngineError(f"{where}: --tp does not read FP8 checkpoints yet; run on one device")
+    if files.int4 is not None:
+        if tp is not None:  # a rank's slice of packed rows would need its slice of the groups
+            raise EngineError(f"{where}: --tp does not read GPTQ / AWQ checkpoints yet; run on one device")
+        int4.check_exclusions(files.int4, files.keys(), lambda k: root / files.file_of[k])
     plan = None
     if tp is not None:  # modules from the rank's local config; only the rank's slices are read
         from .tp import ShardPlan
 
         plan = tp.plan = ShardPlan(cfg, tp.rank, tp.world, where=where)
-        files.slicer = plan.selection
+        # (FP8: each weight's block scales follow its rows / columns)
+        files.slicer = fp8.tp_slicer(plan.selection, files.shape_of) if files.fp8 else plan.selection
         cfg = plan.local_config
         tp.vocab_size = cfg.vocab_size
 
@@ -519,8 +610,14 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> 
     if files.fp8:  # FP8 linears become fp8.FP8Linear (on the meta device still), the rest is dequantized
         sd = fp8.adopt(lm, sd, dt, lambda k: root / origin.get(k, "?"))
         expected = lm.state_dict()
+    if files.int4 is not None:  # 4-bit linears become int4.Int4Linear holding their packed tensors
+        checkpoint_name = {family.trunk_key(k): k for k in names}
+        sd = int4.adopt(lm, sd, files.int4, dt, lambda k: root / origin.get(k, "?"),
+                        named=lambda k: checkpoint_name.get(k, k))
+        expected = lm.state_dict()
     sd = convert_gdn_layout(fuse_experts(sd), set(expected), cfg)
-    if "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd:
+    tied = "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd
+    if tied:
         emb = sd["model.embed_tokens.weight"]  # tied embeddings
         sd["lm_head.weight"] = emb if plan is None else plan.vocab_rows(emb)
     _check_tensors(root, expected, sd, origin, what="trunk")
@@ -533,7 +630,7 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> 
     lm.to(dev).eval()
     rotary = Rotary(cfg, dev)
     kinds = list(cfg.layer_types)
-    unknown = [k for k in kinds if k not in ("linear_attention", "full_attention")]
+    unknown = [k for k in kinds if k not in LAYER_KINDS]
     if unknown:
         raise EngineError(f"{where}: unknown layer type {unknown[0]!r}")
     slots = layer_slots(kinds)
@@ -543,23 +640,39 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None) -> 
             fallbacks.append(Fallback("fla", f"{op}: {why}"))
     trunk = Trunk(family, cfg, lm, rotary, dev, dt, backends, kinds, slots, group=tp)
 
-    mtp_keys = [k for k in files.keys() if k.startswith("mtp.")]
-    declared = mtp_layers_declared(raw)
+    head_files, declared = files, mtp_layers_declared(raw)
+    if mtp_from is not None:
+        from .mtp_from import head_source
+
+        head_files, declared = head_source(mtp_from, family)
+        head_files.slicer = files.slicer
+        trunk.backends.choice["mtp_head"] = ("--mtp-from", f"the MTP head's tensors from {head_files.root}")
+    mtp_keys = [k for k in head_files.keys() if k.startswith("mtp.")]
     mtp, n_mtp = None, 0
     if not mtp_keys:
         why = "no mtp.* tensors in the checkpoint"
+        if family.name == "qwen3":
+            why = "dense Qwen3 checkpoints have no MTP head (a draft model can speculate: --draft-model)"
         if declared:
-            why = f"config declares {declared} MTP layer(s) but the checkpoint has no mtp.* tensors"
+            why = f"config declares {declared} MTP layer(s) but the checkpoint has no mtp.* tensors (a stripped " \
+                  f"release: --mtp-from PATH takes the head from another release of this model)"
         fallbacks.append(Fallback("speculation", f"{why}: plain decoding"))
     else:
         n_mtp = declared or len({k.split(".")[2] for k in mtp_keys if k.startswith("mtp.layers.")})
         try:
-            mtp = MTPHead.build(family, cfg, trunk, n_mtp, mtp_keys, files, dt)
+            mtp = MTPHead.build(family, cfg, trunk, n_mtp, mtp_keys, head_files, dt)
         except MTPUnusable as e:  # the trunk still chats: plain decoding, with the reason
+            if mtp_from is not None:  # asked for by name: refused, not silently dropped
+                raise EngineError(f"--mtp-from {head_files.root}: {e}") from None
             mtp, n_mtp = None, 0
             fallbacks.append(Fallback("speculation", f"{e}: plain decoding"))
-    params = sum(p.numel() for p in lm.parameters()) + (sum(p.numel() for p in mtp.parameters()) if mtp else 0)
-    return Loaded(root.name, str(root), raw, trunk, mtp, n_mtp, params, fallbacks)
+    # the checkpoint's count (as discovery gives it): tied embeddings once, though lm_head holds its own copy
+    unique = {id(p): p for module in (lm, mtp) if module is not None for p in module.parameters()}
+    params = sum(p.numel() for p in unique.values()) - (lm.lm_head.weight.numel() if tied else 0)
+    params += int4.param_count(lm) + (int4.param_count(mtp) if mtp else 0)  # (their weights are buffers)
+    from .discovery import _default_name  # the name discovery gives the folder (a Hub snapshot: its repo id)
+
+    return Loaded(_default_name(root), str(root), raw, trunk, mtp, n_mtp, params, fallbacks)
 
 
 def _check_tensors(root, expected: dict, sd: dict, origin: dict, what: str) -> None:

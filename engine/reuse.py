@@ -24,11 +24,12 @@ class Snapshot:
     logits: torch.Tensor  # the prompt's last-position logits [1, V]
     mtp_covered: int
     mtp_pending: list
+    window: tuple | None = None  # sliding-window rings (rotating_cache.RotatingKV.snapshot): they cannot trim back
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent, self.logits)) + sum(
-            t.numel() * t.element_size() for t in self.mtp_pending)
+            t.numel() * t.element_size() for t in self.mtp_pending + list(self.window or ()))
 
 
 class TurnCache:
@@ -61,6 +62,8 @@ class TurnCache:
         caches.gdn.recurrent.copy_(snap.recurrent)
         caches.processed = snap.n
         caches.abort()  # trims KV to n
+        if snap.window is not None:
+            caches.window.restore(snap.window)
         if drafter is not None and hasattr(drafter, "cache"):
             drafter.covered = snap.mtp_covered
             drafter.cache.trim(snap.mtp_covered)
@@ -74,8 +77,9 @@ class TurnCache:
             return
         covered = getattr(drafter, "covered", 0)
         pending = list(getattr(drafter, "pending", []))
+        window = caches.window.snapshot() if caches.window is not None else None
         self.snapshots.append(Snapshot(n, caches.gdn.conv.clone(), caches.gdn.recurrent.clone(), logits.clone(),
-                                       covered, pending))
+                                       covered, pending, window))
         self.snapshots = self.snapshots[-MAX_SNAPSHOTS:]
 
     @property

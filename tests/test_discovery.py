@@ -404,3 +404,17 @@ def test_a_model_too_large_for_one_gpu_is_shown_with_the_tp_degree_that_fits(env
     assert ch.candidate is None and "fits across 2 of the 8 GPUs: run it with --tp 2" in ch.reason
     assert "run it with --tp 2" in dict(ch.rejected)["moe"]
     assert "--tp" not in choose([moe], h200s[0]).reason  # no other GPU visible: no suggestion
+
+
+def test_between_bf16_and_fp8_releases_of_one_model_a_gpu_takes_fp8_and_the_cpu_bf16(tmp_path):
+    from fixtures import write_fp8_checkpoint
+
+    src = write_checkpoint(tmp_path / "src", "qwen3_next", seed=5)
+    fp8, _ = write_fp8_checkpoint(src, tmp_path / "fp8", tmp_path / "twin")
+    gpu = DeviceInfo(kind="cuda", name="test", total_bytes=1 << 40, free_bytes=1 << 40, index=0)
+    cands = [inspect_model(str(p), source="folder", device=gpu) for p in (src, fp8)]
+    assert cands[0].params == cands[1].params and cands[1].quantization == "fp8"  # scales are not parameters
+    on_gpu = choose(cands, gpu)
+    assert on_gpu.candidate.path == cands[1].path
+    assert "same size and faster" in dict(on_gpu.rejected)[cands[0].name]
+    assert choose(cands, BIG).candidate.path == cands[0].path

@@ -183,7 +183,7 @@ def test_bad_inputs(ckpt, tmp_path, capsys):
     conf = json.loads((llama / "config.json").read_text())
     conf["model_type"] = "llama"
     (llama / "config.json").write_text(json.dumps(conf))
-    cases.append((["--model", str(llama)], "unsupported model_type 'llama'; supported: qwen3_5"))
+    cases.append((["--model", str(llama)], "unsupported model_type 'llama'; supported: qwen3, qwen3_5"))
 
     mlx = broken_copy(good, tmp_path / "mlx")
     t = load_file(mlx / "model.safetensors")
