@@ -20,7 +20,7 @@ from .errors import EngineError
 from .events import FORCED, TARGET, Fallback, Finished, Started, Tokens
 from .autodepth import DepthChooser
 from .limits import AUTO, AUTO_MAX_DEPTH, MAX_DEPTH, MAX_NEW_TOKENS, SEED_MAX, SEED_MIN
-from .model import Loaded, load
+from .model import TRITON_MIN_CAPACITY, Loaded, load
 from .reasoning import ThinkingInfo, ReplyParts, last_open, reasoning_apart, thinking_info
 from .reuse import TurnCache
 from .sampling import SamplingParams
@@ -107,6 +107,11 @@ class TextStream:
         return [self.stream.step(self.backend, i) or "" for i in ids]
 
 
+# positions reserved beyond a request when spare KV capacity is free to carry (Engine.kv_reservation): 27B
+# shape, 64 KiB a position, 256 MiB
+KV_AHEAD = 4096
+
+
 class Engine:
     def __init__(self, loaded: Loaded, tokenizer=None, stop_ids: set[int] = frozenset(), cuda_graphs: bool | None = None,
                  compile: bool | None = None, max_context: int | None = None):
@@ -122,10 +127,17 @@ class Engine:
         self.thinking = thinking_info(tokenizer) if tokenizer is not None else ThinkingInfo(False, "no tokenizer", None)
         self.caches = self.trunk.new_caches()
         self.mtp_drafter = MTPDrafter(loaded.mtp) if loaded.mtp is not None else None
+        self.draft_drafter = None  # a separate draft model (attach_draft, --draft-model)
+        self.drafter_choice = None  # "mtp" | "draft" | None: the draft model when there is one, else the MTP head
         self.turns = TurnCache()
         self.graph_runner = None
         if cuda_graphs is None:
             cuda_graphs = self.trunk.device.type == "cuda" and os.environ.get("MTPCHAT_CUDA_GRAPHS", "1") != "0"
+        if cuda_graphs and self.caches.window is not None:
+            # the rotating ring's rollback is driven from the host (rotating_cache.py): no graph-mode form yet
+            cuda_graphs = False
+            loaded.fallbacks.append(Fallback("cuda_graphs", "sliding-window layers run eagerly (their rotating "
+                                                            "KV cache has no graph-mode form yet)"))
         if cuda_graphs:
             from .graphs import GraphRunner, StepGraphs
 
@@ -212,11 +224,34 @@ class Engine:
             return settings.prefill_chunk
         return 2048 if self.trunk.device.type == "cuda" else 512
 
+    def attach_draft(self, path: str | None, choice: str | None = None) -> None:
+        """Use the model at `path` as the drafter (draft_model.py; EngineError, one line, when it cannot draft
+        for this model). choice: "mtp" or "draft" when both exist (default: the draft model); None path: only
+        the choice changes."""
+        if choice not in (None, "mtp", "draft"):
+            raise EngineError(f"--drafter {choice!r}: expected mtp or draft")
+        if path is not None:
+            from .draft_model import load_draft
+
+            self.draft_drafter = load_draft(path, self)
+        if choice == "draft" and self.draft_drafter is None:
+            raise EngineError("--drafter draft: no draft model (pass --draft-model PATH)")
+        if choice == "mtp" and self.mtp_drafter is None:
+            raise EngineError(f"--drafter mtp: {self.loaded.name} has no MTP head")
+        self.drafter_choice = choice
+
+    def default_drafter(self):
+        """The drafter a request gets when it names none: --drafter's choice, else the draft model when there is
+        one, else the MTP head (None: plain decoding)."""
+        if self.drafter_choice == "mtp" or self.draft_drafter is None:
+            return self.mtp_drafter
+        return self.draft_drafter
+
     def fallbacks(self, settings: GenerationSettings, drafter) -> list[Fallback]:
         out = [f for f in self.loaded.fallbacks if f.feature != "speculation"]
         runner = self.graph_runner
         for graphs in (runner, getattr(self.mtp_drafter, "graphs", None),
-                       getattr(self.mtp_drafter, "chains", None)):
+                       getattr(self.mtp_drafter, "chains", None), getattr(self.draft_drafter, "graphs", None)):
             if graphs is not None and graphs.failure:
                 out.append(Fallback("cuda_graphs", f"{graphs.failure}: eager steps"))
         if runner is not None:
@@ -229,9 +264,21 @@ class Engine:
                 out.append(Fallback("cuda_graphs", f"{runner.refreshing.failure}: the MTP head refreshes in a "
                                                    f"graph of its own after each verify pass"))
         if settings.depth != 0 or drafter is not None:
-            if drafter is None and self.mtp_drafter is None:
+            if drafter is None and self.default_drafter() is None:
                 out += [f for f in self.loaded.fallbacks if f.feature == "speculation"]
         return out
+
+    def kv_reservation(self, end: int) -> int:
+        """How many positions the KV caches hold for a request that may reach position `end`. The masked graph-mode
+        attention reads the whole capacity (on the H200, 27B shape, 8k positions of spare capacity cost a 200-token
+        prompt 12 ms), so it gets no more than `end`; the split-K kernel, which serves caches over
+        TRITON_MIN_CAPACITY positions, reads only the filled length, so there the next turns get KV_AHEAD positions
+        of room too (up to the context limit) and do not re-capture the CUDA graphs (about 400 ms on the 27B
+        shape) whenever the cache grows."""
+        if self.trunk.backends.decode_attention != "triton" or end + KV_AHEAD <= TRITON_MIN_CAPACITY:
+            return end
+        ahead = end + KV_AHEAD
+        return ahead if self.context_limit is None else max(end, min(ahead, self.context_limit + 16))
 
     def generate(self, prompt_ids: list[int], settings: GenerationSettings, control: DecodeControl | None = None,
                  drafter=None) -> Iterator:
@@ -249,21 +296,9 @@ class Engine:
         control = control or DecodeControl(settings.depth)
         fallbacks = self.fallbacks(settings, drafter)
         speculative_ok = not any(f.feature == "speculation" for f in fallbacks)
-        drafter = (drafter or self.mtp_drafter) if speculative_ok else None
+        drafter = (drafter or self.default_drafter()) if speculative_ok else None
         timer = PhaseTimer(self.trunk.device)
-        dev = self.trunk.device
-        gen = None
-        if settings.seed is not None:
-            gen = torch.Generator(device=dev).manual_seed(settings.seed)
-        elif self.trunk.group is not None and settings.temperature > 0:
-            # tensor parallelism: every rank must draw the same samples from the same (gathered) logits
-            gen = torch.Generator(device=dev).manual_seed(self.trunk.group.shared_seed())
-        ids = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
-        req = Request(seq=torch.empty(len(prompt_ids) + settings.max_new_tokens + 8, dtype=torch.long, device=dev),
-                      length=0, prompt_len=len(prompt_ids), max_new=settings.max_new_tokens,
-                      stop_ids=frozenset() if settings.ignore_eos else self.stop_ids,
-                      sampling=SamplingParams(settings.temperature, settings.top_k, settings.top_p), generator=gen)
-        req.append(ids)
+        req = self.new_request(prompt_ids, settings)
         turns = self.turns
         if not settings.reuse:
             turns.reset()
@@ -280,44 +315,9 @@ class Engine:
         chooser, chosen = DepthChooser(AUTO_MAX_DEPTH), {}
         with torch.inference_mode():
             try:
-                if snap is not None:
-                    turns.restore(snap, self.caches, drafter)
-                elif start == 0:
-                    self.caches.reset()
-                    if drafter is not None:
-                        drafter.reset()
-                    turns.reset()
-                turns.drafter = drafter
-                if self.trunk.graphs is not None:  # one reservation for the request: no re-capture mid-reply
-                    # (graph-mode attention reads the whole capacity, so none is reserved ahead: on the H200, 27B
-                    # shape, 8k positions of capacity cost a 200-token prompt 12 ms, and decoding after a 128k
-                    # prompt over twice its capacity ran at 33 tok/s against 44)
-                    end = len(prompt_ids) + settings.max_new_tokens + 16
-                    self.caches.kv.reserve(end - self.caches.processed)
-                    if getattr(drafter, "graphs", None) is not None:
-                        drafter.reserve(end - drafter.covered)
-                if start < len(prompt_ids):
-                    # a prompt that opens the reply's reasoning: a snapshot before the opening marker too, where
-                    # the next turn's prompt (earlier reasoning dropped by the template) still agrees with it
-                    opened_at = last_open(prompt_ids, self.thinking.open_id) if parts.opened else None
-                    if opened_at is not None and start < opened_at:
-                        turns.take(opened_at, prefill(self.trunk, self.caches, drafter, req.seq[:opened_at],
-                                                      self.prefill_chunk(settings), timer), self.caches, drafter)
-                    logits = prefill(self.trunk, self.caches, drafter, req.seq[: req.length],
-                                     self.prefill_chunk(settings), timer)
-                    turns.history = list(prompt_ids)
-                    turns.take(len(prompt_ids), logits, self.caches, drafter)
-                else:
-                    logits = snap.logits
-                with timer.phase("sampling"):
-                    first = pick(logits, req)
-                req.append(first)
-                first_id = int(first[0])
-                req.generated.append(first_id)
-                if first_id in req.stop_ids:
-                    req.finish = "eos"
-                elif len(req.generated) >= req.max_new:
-                    req.finish = "length"
+                self.start_from(start, snap, drafter, len(prompt_ids) + settings.max_new_tokens)
+                logits = self.prompt_logits(req, prompt_ids, start, snap, drafter, parts, settings, timer)
+                first_id = take_first(req, logits, timer)
                 timer.collect()
                 ttft = (time.perf_counter() - t0) * 1e3
                 with timer.phase("detokenize"):
@@ -335,13 +335,7 @@ class Engine:
                     if parts.over_budget(req):
                         yield self.close_reasoning(req, parts, drafter, flight, detok, settings, timer)
                         continue
-                    depth = settings.depth if control.depth is None else control.depth
-                    auto = depth == AUTO
-                    if auto:  # (tensor parallelism: rank 0's pick, see tp_session.SyncedControl.agree)
-                        depth = getattr(control, "agree", int)(chooser.pick() if drafter is not None else 0)
-                    else:
-                        depth = max(0, int(depth))
-                    depth = depth if depth_cap is None else min(depth_cap, depth)
+                    auto, depth = next_depth(settings, control, chooser, drafter, depth_cap)
                     try:
                         part, t_cycle = parts.tracker.part, time.perf_counter()
                         out, sources, stats = cycle(self.trunk, self.caches, drafter, req, flight, depth, timer)
@@ -390,30 +384,60 @@ class Engine:
                     self.caches.reset()
                     turns.reset()
         timer.collect(block=True)
-        elapsed = time.perf_counter() - t0
-        decode_s = max(elapsed - ttft / 1e3, 1e-9)
-        stats = {
-            "depth": settings.depth if control.depth is None else control.depth,
-            "drafter": getattr(drafter, "name", None),
-            "prompt_tokens": len(prompt_ids),
-            "reused_tokens": start,
-            "prefilled_tokens": len(prompt_ids) - start,
-            "generated_tokens": len(req.generated),
-            "cycles": req.cycles,
-            "drafted": req.drafted,
-            "accepted": req.accepted,
-            "acceptance_rate": req.accepted / req.drafted if req.drafted else 0.0,
-            "mean_accepted_length": (len(req.generated) - 1) / req.cycles if req.cycles else 0.0,
-            "per_position_acceptance": [a / d if d else 0.0 for d, a in req.per_position],
-            "per_position_counts": [list(x) for x in req.per_position],  # [drafted, accepted] per position
-            "tokens_per_s": (len(req.generated) - 1) / decode_s if len(req.generated) > 1 else 0.0,
-            "ttft_ms": ttft,
-            "total_s": elapsed,
-            "phase_ms": dict(timer.totals),
-            "parts": parts.to_json(),
-            "auto_depths": {str(k): n for k, n in sorted(chosen.items())},  # --depth auto: cycles per depth
-        }
+        stats = request_stats(req, settings, control, drafter, start, ttft, time.perf_counter() - t0, timer, parts,
+                              chosen)
         yield Finished(req.finish, stats, fallbacks)
+
+    def new_request(self, prompt_ids: list[int], settings: GenerationSettings) -> Request:
+        """The request's committed sequence (the prompt), its stop ids, sampling and generator."""
+        dev = self.trunk.device
+        gen = None
+        if settings.seed is not None:
+            gen = torch.Generator(device=dev).manual_seed(settings.seed)
+        elif self.trunk.group is not None and settings.temperature > 0:
+            # tensor parallelism: every rank must draw the same samples from the same (gathered) logits
+            gen = torch.Generator(device=dev).manual_seed(self.trunk.group.shared_seed())
+        req = Request(seq=torch.empty(len(prompt_ids) + settings.max_new_tokens + 8, dtype=torch.long, device=dev),
+                      length=0, prompt_len=len(prompt_ids), max_new=settings.max_new_tokens,
+                      stop_ids=frozenset() if settings.ignore_eos else self.stop_ids,
+                      sampling=SamplingParams(settings.temperature, settings.top_k, settings.top_p), generator=gen)
+        req.append(torch.tensor(prompt_ids, dtype=torch.long, device=dev))
+        return req
+
+    def start_from(self, start: int, snap, drafter, end: int) -> None:
+        """The caches at `start` (a snapshot's state restored, or nothing at 0), with room up to position `end`."""
+        turns = self.turns
+        if snap is not None:
+            turns.restore(snap, self.caches, drafter)
+        elif start == 0:
+            self.caches.reset()
+            if drafter is not None:
+                drafter.reset()
+            turns.reset()
+        turns.drafter = drafter
+        if self.trunk.graphs is not None:  # one reservation for the request: no re-capture mid-reply
+            end = self.kv_reservation(end + 16)
+            self.caches.kv.reserve(end - self.caches.processed)
+            if getattr(drafter, "graphs", None) is not None:
+                drafter.reserve(end - drafter.covered)
+
+    def prompt_logits(self, req: Request, prompt_ids: list[int], start: int, snap, drafter, parts, settings,
+                      timer) -> torch.Tensor:
+        """The logits after the prompt: its tokens past `start` prefilled (snapshots taken for the next turn's
+        reuse), or the reused snapshot's own."""
+        if start >= len(prompt_ids):
+            return snap.logits
+        turns, chunk = self.turns, self.prefill_chunk(settings)
+        # a prompt that opens the reply's reasoning: a snapshot before the opening marker too, where the next
+        # turn's prompt (earlier reasoning dropped by the template) still agrees with it
+        opened_at = last_open(prompt_ids, self.thinking.open_id) if parts.opened else None
+        if opened_at is not None and start < opened_at:
+            turns.take(opened_at, prefill(self.trunk, self.caches, drafter, req.seq[:opened_at], chunk, timer),
+                       self.caches, drafter)
+        logits = prefill(self.trunk, self.caches, drafter, req.seq[: req.length], chunk, timer)
+        turns.history = list(prompt_ids)
+        turns.take(len(prompt_ids), logits, self.caches, drafter)
+        return logits
 
     def close_reasoning(self, req, parts, drafter, flight, detok, settings, timer) -> Tokens:
         """The thinking budget ran out inside the reasoning: commit the closing marker and a blank line as a
@@ -447,7 +471,7 @@ class Engine:
         the next request starts from zero. Returns {"seconds": wall time, "steps": steps run}."""
         from .graphs import PREFILL_WIDTHS
 
-        depths = [d for d in dict.fromkeys(depths) if d == 0 or self.mtp_drafter is not None]
+        depths = [d for d in dict.fromkeys(depths) if d == 0 or self.default_drafter() is not None]
         # a prompt wider than the prefill graphs (the chunked GDN kernel's JIT and autotuning), then each depth's
         # first prompt and follow-up turn (every graph of the decode loop, a prefill graph at an offset)
         plan = [(0, "long", PREFILL_WIDTHS[-1] + 44)] + [(d, turn, 48) for d in depths for turn in ("first", "turn")]
@@ -480,10 +504,11 @@ class Engine:
             self.graph_runner.trunk = None
         if self.trunk is not None:
             self.trunk.graphs = None
-        for graphs in (getattr(self.mtp_drafter, "graphs", None), getattr(self.mtp_drafter, "chains", None)):
+        for graphs in (getattr(self.mtp_drafter, "graphs", None), getattr(self.mtp_drafter, "chains", None),
+                       getattr(self.draft_drafter, "graphs", None)):
             if graphs is not None:
                 graphs.reset()  # (a captured step's closure holds the drafter)
-        self.graph_runner = self.caches = self.mtp_drafter = self.turns = None
+        self.graph_runner = self.caches = self.mtp_drafter = self.draft_drafter = self.turns = None
         self.trunk = self.loaded = None
 
 
@@ -517,6 +542,59 @@ def stop_ids_for(root: Path, tokenizer, raw_config: dict) -> set[int]:
     return ids
 
 
+def take_first(req: Request, logits: torch.Tensor, timer) -> int:
+    """The reply's first token, from the prompt's logits: committed, and the reply finished if it ends there."""
+    with timer.phase("sampling"):
+        first = pick(logits, req)
+    req.append(first)
+    first_id = int(first[0])
+    req.generated.append(first_id)
+    if first_id in req.stop_ids:
+        req.finish = "eos"
+    elif len(req.generated) >= req.max_new:
+        req.finish = "length"
+    return first_id
+
+
+def next_depth(settings: GenerationSettings, control, chooser: DepthChooser, drafter, depth_cap: int | None):
+    """(auto?, the next cycle's depth): the live control's depth over the request's, auto's pick (tensor
+    parallelism: rank 0's, see tp_session.SyncedControl.agree), capped after an out-of-memory retry."""
+    depth = settings.depth if control.depth is None else control.depth
+    auto = depth == AUTO
+    if auto:
+        depth = getattr(control, "agree", int)(chooser.pick() if drafter is not None else 0)
+    else:
+        depth = max(0, int(depth))
+    return auto, depth if depth_cap is None else min(depth_cap, depth)
+
+
+def request_stats(req: Request, settings, control, drafter, start: int, ttft: float, elapsed: float, timer, parts,
+                  chosen: dict) -> dict:
+    """Finished.stats: what the request did and where its time went."""
+    decode_s = max(elapsed - ttft / 1e3, 1e-9)
+    return {
+        "depth": settings.depth if control.depth is None else control.depth,
+        "drafter": getattr(drafter, "name", None),
+        "prompt_tokens": req.prompt_len,
+        "reused_tokens": start,
+        "prefilled_tokens": req.prompt_len - start,
+        "generated_tokens": len(req.generated),
+        "cycles": req.cycles,
+        "drafted": req.drafted,
+        "accepted": req.accepted,
+        "acceptance_rate": req.accepted / req.drafted if req.drafted else 0.0,
+        "mean_accepted_length": (len(req.generated) - 1) / req.cycles if req.cycles else 0.0,
+        "per_position_acceptance": [a / d if d else 0.0 for d, a in req.per_position],
+        "per_position_counts": [list(x) for x in req.per_position],  # [drafted, accepted] per position
+        "tokens_per_s": (len(req.generated) - 1) / decode_s if len(req.generated) > 1 else 0.0,
+        "ttft_ms": ttft,
+        "total_s": elapsed,
+        "phase_ms": dict(timer.totals),
+        "parts": parts.to_json(),
+        "auto_depths": {str(k): n for k, n in sorted(chosen.items())},  # --depth auto: cycles per depth
+    }
+
+
 def load_tokenizer(root: Path):
     from transformers import AutoTokenizer
 
@@ -530,18 +608,27 @@ def load_tokenizer(root: Path):
 
 def load_engine(path: str | None = None, device: str | None = None, dtype: str | None = None,
                 cuda_graphs: bool | None = None, tp=None, compile: bool | None = None,
-                max_context: int | None = None) -> Engine:
+                max_context: int | None = None, draft_model: str | None = None,
+                drafter: str | None = None, mtp_from: str | None = None) -> Engine:
     """Load `path`, or the best model discovered; out of memory at load moves on to the next candidate.
     tp: a tp.TPGroup: this process is one rank of a tensor-parallel group and loads only its shard.
-    max_context: cap the context (and so the KV cache's memory) at this many tokens."""
+    max_context: cap the context (and so the KV cache's memory) at this many tokens.
+    draft_model: a separate draft model's folder (default: MTPCHAT_DRAFT_MODEL, which `mtpchat chat
+    --draft-model` sets for the chat's engine thread); drafter: "mtp" | "draft" (Engine.attach_draft).
+    mtp_from: another release of the model whose mtp.* tensors make the MTP head (default: MTPCHAT_MTP_FROM,
+    which `--mtp-from` sets; model.load)."""
     check_max_context(max_context)  # before the (slow) load
+    draft_model = draft_model or os.environ.get("MTPCHAT_DRAFT_MODEL") or None
+    drafter = drafter or os.environ.get("MTPCHAT_DRAFTER") or None
+    mtp_from = mtp_from or os.environ.get("MTPCHAT_MTP_FROM") or None
     if path is not None:
-        return _load_engine(path, device, dtype, cuda_graphs, tp, compile, max_context)
+        return _with_draft(_load_engine(path, device, dtype, cuda_graphs, tp, compile, max_context, mtp_from),
+                           draft_model, drafter)
     notes, tried = [], set()
     while True:
         candidate = default_model_path(exclude=tried)
         try:
-            engine = _load_engine(candidate, device, dtype, cuda_graphs, tp, compile, max_context)
+            engine = _load_engine(candidate, device, dtype, cuda_graphs, tp, compile, max_context, mtp_from)
         except (torch.OutOfMemoryError, EngineError) as e:  # the next candidate, with the reason on record
             tried.add(candidate)
             if torch.cuda.is_available():
@@ -551,11 +638,21 @@ def load_engine(path: str | None = None, device: str | None = None, dtype: str |
                                            f"({str(e).splitlines()[0][:160]}); trying the next candidate"))
             continue
         engine.loaded.fallbacks[:0] = notes
-        return engine
+        return _with_draft(engine, draft_model, drafter)
 
 
-def _load_engine(path, device, dtype, cuda_graphs, tp, compile=None, max_context=None) -> Engine:
-    loaded = load(path, device, dtype, tp=tp)
+def _with_draft(engine: Engine, draft_model: str | None, drafter: str | None) -> Engine:
+    if draft_model is not None or drafter is not None:
+        try:
+            engine.attach_draft(draft_model, drafter)
+        except BaseException:
+            engine.close()
+            raise
+    return engine
+
+
+def _load_engine(path, device, dtype, cuda_graphs, tp, compile=None, max_context=None, mtp_from=None) -> Engine:
+    loaded = load(path, device, dtype, tp=tp, mtp_from=mtp_from)
     root = Path(loaded.path)
     tok = load_tokenizer(root)
     return Engine(loaded, tok, stop_ids_for(root, tok, loaded.raw_config), cuda_graphs, compile, max_context)

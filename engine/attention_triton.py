@@ -22,7 +22,7 @@ try:
 except ImportError:  # a CPU-only torch: the masked path
     triton = None
 
-NEG = -1.0e30  # the running max's start: finite, so a block whose keys are all masked gives exp(NEG - NEG) = 1
+NEG = -1.0e30 if triton is None else tl.constexpr(-1.0e30)  # the running max's start: finite, so a block whose keys are all masked gives exp(NEG - NEG) = 1
 
 
 if triton is not None:

@@ -1,4 +1,5 @@
-"""Qwen3-Next / Qwen3.5 RMSNorm (zero-centred weight: the checkpoints store weight - 1) as one Triton kernel, for CUDA.
+"""RMSNorm as one Triton kernel, for CUDA: Qwen3-Next / Qwen3.5's zero-centred weight (the checkpoints store
+weight - 1: x * rstd * (1 + w)) and dense Qwen3's plain one (x * rstd * w), told apart by the self-check.
 
 transformers' eager forward is about seven kernels (cast, pow, mean, add + rsqrt, mul, 1 + weight, mul, cast). The
 engine runs its CUDA graphs without torch.compile by default, so each is a graph node of ~2 us, and at batch 1 the
@@ -38,7 +39,7 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, eps, D: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, eps, shift, D: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # row * stride overflows int32 for long prefills at large D
         x_row = x_ptr + row * stride_x
         out_row = out_ptr + row * D
@@ -48,7 +49,7 @@ if triton is not None:
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_row + cols, (x * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_row + cols, (x * rstd * (shift + w)).to(out_ptr.dtype.element_ty), mask=mask)
         else:  # two passes over the row: sum of squares, then scale (the second read mostly hits L2)
             acc = tl.zeros((BLOCK,), dtype=tl.float32)
             for d0 in range(0, D, BLOCK):
@@ -60,7 +61,7 @@ if triton is not None:
                 mask = d0 + cols < D
                 x = tl.load(x_row + d0 + cols, mask=mask, other=0.0).to(tl.float32)
                 w = tl.load(w_ptr + d0 + cols, mask=mask, other=0.0).to(tl.float32)
-                tl.store(out_row + d0 + cols, (x * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(out_row + d0 + cols, (x * rstd * (shift + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _num_warps(block: int) -> int:
@@ -68,8 +69,9 @@ def _num_warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [..., D] with zero-centred weight [D]: a contiguous tensor of x's shape and dtype."""
+def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: float = 1.0) -> torch.Tensor:
+    """RMSNorm of x [..., D] with weight [D] (zero-centred: shift 1; plain: shift 0): a contiguous tensor of x's
+    shape and dtype."""
     D = x.shape[-1]
     assert weight.shape == (D,), (weight.shape, x.shape)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -80,41 +82,49 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     block = min(triton.next_power_of_2(D), MAX_BLOCK)
-    _rms_norm_kernel[(rows,)](x2, weight.contiguous(), out, x2.stride(0), float(eps), D=D, BLOCK=block,
+    _rms_norm_kernel[(rows,)](x2, weight.contiguous(), out, x2.stride(0), float(eps), float(shift), D=D, BLOCK=block,
                               num_warps=_num_warps(block))
     return out
 
 
 @torch.library.custom_op("mtpchat::rms_norm", mutates_args=())
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x.float() * rsqrt(mean(x.float()**2, -1) + eps) * (1 + weight.float()), cast back to x.dtype."""
-    return launch(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: float = 1.0) -> torch.Tensor:
+    """x.float() * rsqrt(mean(x.float()**2, -1) + eps) * (shift + weight.float()), cast back to x.dtype."""
+    return launch(x, weight, eps, shift)
 
 
 @rms_norm.register_fake
-def _(x, weight, eps):
+def _(x, weight, eps, shift=1.0):
     return torch.empty_like(x, memory_format=torch.contiguous_format)  # launch's output: contiguous
 
 
 def is_rms_norm(module) -> bool:
     """A plain (one-input) RMSNorm: class name ending in RMSNorm (not the gated variants), 1-D weight and eps."""
     weight = getattr(module, "weight", None)
-    return (type(module).__name__.endswith("RMSNorm") and hasattr(module, "eps")
+    return (type(module).__name__.endswith("RMSNorm") and _eps(module) is not None
             and isinstance(weight, torch.Tensor) and weight.dim() == 1)
+
+
+def _eps(module) -> float | None:
+    """The norm's epsilon: `eps` (Qwen3-Next / 3.5) or `variance_epsilon` (dense Qwen3)."""
+    return getattr(module, "eps", getattr(module, "variance_epsilon", None))
 
 
 def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():  # let inductor fuse the module's own math with its neighbours
         return type(self).forward(self, x)
-    return rms_norm(x, self.weight, self.eps)
+    return rms_norm(x, self.weight, _eps(self), self.norm_shift)
 
 
-def _self_check(module, device, dtype) -> float:
-    """Max abs error of the op against the module's own forward, relative to the reference's max abs."""
+def _self_check(module, device, dtype) -> tuple[float, float]:
+    """(shift, error): the weight convention whose kernel output matches the module's own forward best, and its
+    max abs error relative to the reference's max abs."""
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(3, module.weight.shape[0], generator=gen, device=device).to(dtype)
     with torch.no_grad():
-        return relative_error(rms_norm(x, module.weight, module.eps), type(module).forward(module, x))
+        ref = type(module).forward(module, x)
+        return min(((shift, relative_error(rms_norm(x, module.weight, _eps(module), shift), ref))
+                    for shift in (1.0, 0.0)), key=lambda t: t[1] if t[1] == t[1] else float("inf"))
 
 
 def _why_not(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -139,18 +149,19 @@ def install(modules: Iterable, device: torch.device | str, dtype: torch.dtype) -
     norms = [m for m in modules if is_rms_norm(m)]
     if not norms:
         return "torch ops (no RMSNorm modules)"
-    worst, checked = 0.0, set()
+    worst, shifts = 0.0, {}
     try:
         for m in norms:
-            key = (m.weight.shape[0], m.eps)
-            if key not in checked:
-                checked.add(key)
-                worst = max(worst, _self_check(m, device, dtype))
+            key = (type(m), m.weight.shape[0], _eps(m))
+            if key not in shifts:
+                shifts[key], err = _self_check(m, device, dtype)
+                worst = max(worst, err)
     except Exception as e:  # a Triton / driver failure: keep the torch ops
         return f"torch ops (Triton RMSNorm failed: {type(e).__name__}: {e})"
     if not worst < SELF_CHECK_TOL:  # also catches NaN
         return f"torch ops (Triton RMSNorm self-check failed: error {worst:.1e})"
     for m in norms:
+        m.norm_shift = shifts[(type(m), m.weight.shape[0], _eps(m))]
         # a bound method in the instance dict: deepcopy rebinds it to the copy; del m.forward undoes it
         m.forward = types.MethodType(_fused_forward, m)
     return f"Triton fused RMSNorm (self-check {worst:.1e})"

@@ -70,6 +70,8 @@ def _follower(rank: int, world: int, port: int, kind: str, model, device, dtype,
         if command[0] == "chat":
             for _ in engine.chat(command[1], GenerationSettings(**command[2]), SyncedControl(group)):
                 pass
+        elif command[0] == "warm_up":  # the leader's plan, step for step: the same collectives in the same order
+            engine.warm_up(depths=command[1])
         else:  # "close"
             break
     dist.destroy_process_group()
@@ -114,6 +116,14 @@ class TPLeader:
             raise EngineError(f"tensor-parallel worker {dead[0]} has exited: restart mtpchat")
         _send(self.group, ("chat", messages, asdict(settings)))
         return self.engine.chat(messages, settings, SyncedControl(self.group, control or DecodeControl()))
+
+    def warm_up(self, depths=(0, 1, 2, 3), progress=None) -> dict:
+        """Engine.warm_up on every rank at once (each step's collectives need all of them). A progress callback
+        that raises (the chat quitting) stops rank 0 only: the others then wait in a collective until close()
+        terminates them."""
+        depths = list(depths)
+        _send(self.group, ("warm_up", depths))
+        return self.engine.warm_up(depths=depths, progress=progress)
 
     def close(self) -> None:
         try:

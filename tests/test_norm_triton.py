@@ -135,6 +135,25 @@ def test_install_on_a_transformers_module(device, installable, dim):
 
 
 @gpu
+def test_install_tells_dense_qwen3s_plain_weight_from_the_zero_centred_one(device, installable):
+    """Qwen3RMSNorm multiplies by its weight as stored (about 1), Qwen3-Next's by 1 + weight: each module gets the
+    kernel with its own convention, found by the self-check."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    plain = Qwen3RMSNorm(256).to(device, torch.bfloat16)
+    with torch.no_grad():
+        plain.weight.uniform_(0.5, 1.5)
+    centred = qwen3_next_norm(256, torch.bfloat16, device)
+    want = [copy.deepcopy(m) for m in (plain, centred)]
+    assert installable([plain, centred], torch.bfloat16).startswith("Triton fused RMSNorm"), "self-check"
+    assert (plain.norm_shift, centred.norm_shift) == (0.0, 1.0)
+    x = randn(3, 256, dtype=torch.bfloat16, device=device)
+    with torch.inference_mode():
+        for got, ref in zip((plain, centred), want):
+            assert ((got(x).float() - ref(x).float()).abs().max() / ref(x).float().abs().max()).item() < 2e-2
+
+
+@gpu
 def test_installed_module_compiles_fullgraph(device, installable):
     norm = qwen3_next_norm(256, torch.bfloat16, device)
     installable([norm], torch.bfloat16)

@@ -1,5 +1,5 @@
-"""The chat's tensor-parallel session: rank 0 leads, a follower process runs the same cycles; a depth change
-and a stop decided on rank 0 mid-reply reach every rank at the same cycle."""
+"""The chat's tensor-parallel session: rank 0 leads, a follower process runs the same cycles (the warm-up's too);
+a depth change and a stop decided on rank 0 mid-reply reach every rank at the same cycle."""
 
 import multiprocessing as mp
 
@@ -17,6 +17,9 @@ def leader_main(model, conn):
     leader = TPLeader(model, "cpu", None, 2)
     try:
         out = {}
+        steps = []  # the chat's warm-up, on every rank (a rank-0-only one would hang in its first collective)
+        out["warm_up"] = leader.warm_up(depths=[0, 2], progress=lambda done, total, what: steps.append(done))
+        out["progress"] = steps
         control = DecodeControl(3)
         tokens, depths = [], []
         for ev in leader.chat(MESSAGES, GenerationSettings(max_new_tokens=24, depth=3, ignore_eos=True), control):
@@ -53,7 +56,8 @@ def test_leader_and_follower_decode_the_same_reply(ckpt):
     out = recv.recv()
     p.join(60)
     assert p.exitcode == 0
-    assert out["tokens"] == plain
+    assert out["tokens"] == plain  # after the warm-up: the state it used is gone, the reply is exact
+    assert out["warm_up"]["steps"] > 1 and out["progress"][-1] == out["warm_up"]["steps"]
     later = out["depths"][2:]  # from the next cycle on (the very last may be capped by max_new_tokens)
     assert out["depths"][:2] == [3, 3] and 1 in later and max(later) == 1
     assert out["stopped_after"] == 2  # the stop decided on rank 0 ended the reply on every rank

@@ -11,6 +11,8 @@
 #   bash packaging/bench/h200.sh turns    # multi-turn TTFT on the 27B shape
 #   bash packaging/bench/h200.sh demo     # the demo model: greedy and sampled speed, precision report
 #   bash packaging/bench/h200.sh demo-compile  # the same model with --compile: speed and precision
+#   bash packaging/bench/h200.sh fp8      # FP8 kernels per call (fp8_ops.py), 27B shape FP8 vs bf16, GPU tests
+#   bash packaging/bench/h200.sh attn     # decoding after long prompts with the split-K decode attention
 #   bash packaging/bench/h200.sh prefill  # 27B shape: prefill tok/s, TTFT, peak memory, decode at 200 .. 131072
 #                                         # prompt tokens; the demo model's MTP acceptance against context length
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
@@ -87,6 +89,20 @@ demo-compile)  # the demo model with --compile: speed, and what compiling costs 
         --out "$OUT/bench_demo_gpu_compile.json"
   bench --precision --compile --model engine/assets/demo --depths 3 --max-new-tokens 128 \
         --out "$OUT/precision_demo_gpu_compile.json"
+  ;;
+fp8)  # issue #23 (about 7 minutes)
+  timeout 200 python3 -m pytest -q -rA tests/test_fp8_triton.py tests/test_attention_triton.py tests/test_fp8.py \
+        -k "kernel or cuda or split_k or row or install" -p no:cacheprovider 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" \
+        | tee "$OUT/fp8_gpu_tests.txt"
+  timeout 150 python3 packaging/bench/fp8_ops.py --json "$OUT/fp8_ops27b_h200.json" 2>&1 | tail -60
+  bench --random-weights qwen3.5-27b --quant fp8 --depths 0,3 --drafter oracle --acceptance 1.0 \
+        --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_fp8_h200.json"
+  bench --random-weights qwen3.5-27b --depths 0,3 --drafter oracle --acceptance 1.0 \
+        --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_bf16_h200.json"
+  ;;
+attn)  # issue #22: decoding after 32 / 64k / 128k tokens, the split-K kernel against the masked form
+  MTPCHAT_DECODE_ATTENTION=triton timeout 280 python3 packaging/bench/prefill_ops.py --graphs 65536,131072 --quick \
+        --json "$OUT/decode_long_triton_h200.json" 2>&1 | grep -E "after|attention|N\"" | tail -12
   ;;
 prefill)  # issue #22 items 5-6 (about 8 minutes; the 27B shape's 131072-token prefill alone is tens of seconds a run)
   timeout 420 python3 -m app.cli bench --random-weights qwen3.5-27b --prompt-tokens 200,2048,8192,32768,65536,131072 \
