@@ -234,7 +234,31 @@ def positive_int_list(text: str) -> list[int]:
 # --- the parser -----------------------------------------------------------------------------------------------
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help says each option's default where it has one and its help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not unset and action.option_strings and "default" not in text and action.nargs != 0:
+            text += " (default: %(default)s)"
+        return text
+
+
+def version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("mtpchat")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 class ArgumentParser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # one clear line, exit 2
         print_error(message)
         raise SystemExit(2)
@@ -254,6 +278,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="CUDA: torch.compile each layer kind inside the CUDA graphs (faster steps; the first reply "
                         "at each new depth waits for compilation). Also MTPCHAT_COMPILE=1")
+    p.add_argument("--mtp-from", metavar="PATH",
+                   help="take the MTP head (mtp.* tensors, bf16, FP8 or 4-bit) from another release of the same model, "
+                        "for a checkpoint shipped without one; shapes must match. Also MTPCHAT_MTP_FROM")
 
 
 def check_model_folder(args) -> None:
@@ -262,6 +289,20 @@ def check_model_folder(args) -> None:
         from engine import model_dir
 
         model_dir(args.model)
+    if getattr(args, "mtp_from", None):
+        from engine import model_dir
+
+        try:
+            model_dir(args.mtp_from)
+        except EngineError as e:
+            raise EngineError(f"--mtp-from {e}") from None
+    if getattr(args, "draft_model", None):
+        from engine import model_dir
+
+        try:
+            model_dir(args.draft_model)
+        except EngineError as e:
+            raise EngineError(f"--draft-model {e}") from None
 
 
 def check_tp_args(args, preset: str | None = None, layers: int | None = None) -> None:
@@ -284,6 +325,16 @@ def add_think_arg(p: argparse.ArgumentParser) -> None:
                         "what its chat template does; no effect on a model whose template has no such switch")
 
 
+def add_draft_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
+    """--draft-model D (a separate, smaller model of the same tokenizer drafts) and --drafter mtp|draft."""
+    p.add_argument("--draft-model", metavar="D",
+                   help="a smaller model of the same tokenizer (e.g. Qwen3-0.6B for Qwen3-Next) drafts the tokens "
+                        "the model verifies; also MTPCHAT_DRAFT_MODEL")
+    if drafter:
+        p.add_argument("--drafter", choices=["mtp", "draft"],
+                       help="with both an MTP head and --draft-model: which drafts (default: the draft model)")
+
+
 def add_tp_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=tp_size, default=1, metavar="N",
                    help="tensor parallelism: shard the model over N worker processes (one GPU each on CUDA, "
@@ -300,11 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = ArgumentParser(prog="mtpchat", description="Terminal chat for local Qwen3-Next / Qwen3.5 models with "
                             "lossless MTP self-speculative decoding. Without a command: the chat.")
+    parser.add_argument("--version", action="version", version=f"mtpchat {version()}")
     sub = parser.add_subparsers(dest="command", parser_class=ArgumentParser)
     chat = sub.add_parser("chat", help="open the terminal chat (the default)")
     add_model_args(chat)
     chat.add_argument("--depth", type=depth, help=f"speculation depth, 0 .. {MAX_DEPTH} (0 = plain decoding), or auto")
     add_think_arg(chat)
+    add_draft_args(chat)
     add_tp_arg(chat)
     for name in COMMANDS.values():
         modules[name].add_parser(sub)
@@ -417,9 +470,15 @@ def _main(argv: list[str] | None) -> int:
     args.argv = list(argv)  # what reports record as their command line
     if getattr(args, "compile", False):  # read where engines are built (the chat builds them on its worker thread)
         os.environ["MTPCHAT_COMPILE"] = "1"
+    if getattr(args, "mtp_from", None):  # read where engines are built, as MTPCHAT_COMPILE
+        os.environ["MTPCHAT_MTP_FROM"] = args.mtp_from
+    if args.command in (None, "chat"):  # the chat's engine thread: load_engine reads them (--draft-model)
+        for flag, var in (("draft_model", "MTPCHAT_DRAFT_MODEL"), ("drafter", "MTPCHAT_DRAFTER")):
+            if getattr(args, flag, None):
+                os.environ[var] = getattr(args, flag)
     if args.command in (None, "chat"):  # the TUI reports its own errors; torch loads on its engine thread
         check_tp_args(args)  # --tp N: before the UI starts (a missing --model is the UI's to report otherwise)
-        from .tui import run_tui
+        from .launch import run_tui
 
         _interrupts_raise()  # the UI must restore the terminal: from here on ctrl+c is a KeyboardInterrupt
         return run_tui(getattr(args, "model", None), getattr(args, "depth", None),

@@ -39,9 +39,16 @@ def add_parser(sub) -> None:
     p.add_argument("--random-weights", metavar="PRESET", help="a real shape with random weights "
                    "(qwen3.5-27b, qwen3-next-80b-a3b, tiny)")
     p.add_argument("--layers", type=int_in(1, None), help="with --random-weights: keep only the first N layers")
+    p.add_argument("--quant", choices=["bf16", "fp8", "int4"], default="bf16",
+                   help="with --random-weights: fp8 quantizes the linears Qwen's FP8 releases quantize (block-128 "
+                        "e4m3), int4 the same linears to 4 bits (GPTQ's symmetric grid, groups of 128) (default "
+                        "bf16; a checkpoint's format is its own)")
     p.add_argument("--depths", type=depth_list, default=[0, 1, 2, 3, 4],
                    help=f"comma-separated speculation depths, each 0 .. {MAX_DEPTH} (default 0,1,2,3,4)")
-    p.add_argument("--drafter", default="mtp,oracle", help="mtp, oracle or both (comma-separated)")
+    p.add_argument("--drafter", default="mtp,oracle",
+                   help="mtp, oracle, draft (comma-separated; draft: the --draft-model, added when it is given)")
+    p.add_argument("--draft-model", metavar="D", help="a separate draft model of the same tokenizer: its rows beside "
+                                                      "the MTP head's and the oracle's")
     p.add_argument("--acceptance", default="1.0,0.5,0", help="oracle acceptance rates (comma-separated)")
     p.add_argument("--acceptance-profile", metavar="P1,P2,..|changing",
                    help="also an oracle drafting as real MTP heads do: draft position i accepted with probability "
@@ -449,9 +456,12 @@ def _engine(args, group=None) -> Engine:
     flags = _engine_flags(args)
     device = None if group else args.device  # under --tp each rank's device is the group's
     if not args.random_weights:
-        return load_engine(args.model, device, args.dtype, tp=group, **flags)
-    return Engine(random_model(args.random_weights, args.layers, device, args.dtype, group=group), None, set(),
-                  **flags)
+        return load_engine(args.model, device, args.dtype, tp=group, draft_model=args.draft_model, **flags)
+    engine = Engine(random_model(args.random_weights, args.layers, device, args.dtype, group=group,
+                                 quant=args.quant), None, set(), **flags)
+    if args.draft_model:
+        engine.attach_draft(args.draft_model)
+    return engine
 
 
 def spec_depths(depths: list, expand: bool = False) -> list:
@@ -465,7 +475,8 @@ def spec_depths(depths: list, expand: bool = False) -> list:
 
 
 def _drafters(args) -> list[str]:
-    return [d.strip() for d in args.drafter.split(",") if d.strip()]
+    out = [d.strip() for d in args.drafter.split(",") if d.strip()]
+    return out + ["draft"] if getattr(args, "draft_model", None) and "draft" not in out else out
 
 
 def _check_args(args) -> None:
@@ -476,10 +487,19 @@ def _check_args(args) -> None:
 
     _floats(args.acceptance, "--acceptance")
     acceptance_profile(args, args.max_new_tokens)
-    if any(d not in ("mtp", "oracle") for d in _drafters(args)):
-        raise EngineError(f"--drafter {args.drafter!r}: expected mtp, oracle or both")
+    if any(d not in ("mtp", "oracle", "draft") for d in _drafters(args)):
+        raise EngineError(f"--drafter {args.drafter!r}: expected mtp, oracle, draft (comma-separated)")
+    if "draft" in _drafters(args) and not args.draft_model:
+        raise EngineError("--drafter draft: no draft model (pass --draft-model D)")
+    if args.draft_model and args.tp and args.tp > 1:
+        raise EngineError("--draft-model with --tp: not with tensor parallelism yet")
     if args.model and args.random_weights:
         raise EngineError("--model and --random-weights: give one or the other")
+    if args.quant != "bf16" and not args.random_weights:
+        raise EngineError(f"--quant {args.quant}: only with --random-weights (a checkpoint's format is its own)")
+    if args.quant in ("fp8", "int4") and args.tp and args.tp > 1:
+        raise EngineError(f"--quant {args.quant} with --tp: {args.quant.upper()} under tensor parallelism is not "
+                          f"supported yet")
     if args.random_weights and args.random_weights not in PRESETS:
         raise EngineError(f"--random-weights {args.random_weights!r}: presets are {', '.join(PRESETS)}")
     check_model_folder(args)
@@ -604,7 +624,11 @@ def prompt_rows(engine: Engine, args, prompt: list[int], add, with_modes: bool) 
     profile = acceptance_profile(args, n)
     for depth in spec_depths(args.depths):
         if "mtp" in drafters and engine.mtp_drafter is not None:
-            row(depth, "mtp", mode, measure(engine, prompt, depth, n, args.repeat, sampling=sampling))
+            row(depth, "mtp", mode, measure(engine, prompt, depth, n, args.repeat, lambda: engine.mtp_drafter,
+                                            sampling))
+        if "draft" in drafters and engine.draft_drafter is not None:  # (its "draft" phase: its share of a cycle)
+            row(depth, engine.draft_drafter.name, mode, measure(engine, prompt, depth, n, args.repeat,
+                                                                lambda: engine.draft_drafter, sampling))
         if "oracle" in drafters:
             for rate in rates:
                 make = lambda: OracleDrafter(reference, len(prompt), 1.0 - rate, trunk.config.vocab_size,  # noqa: E731

@@ -149,6 +149,8 @@ def render(r: dict) -> str:
                    f"{'fits' if m['fits_device'] else 'does not fit'}, "
                    f"context fits: {fit_text(m['context_fits'], m['context_limit'])}; {status}")
         out.append(f"      {m['path']}")
+        if m.get("drafts"):
+            out.append(f"      draft models (--draft-model): {', '.join(m['drafts'])}")
     ch = r["choice"]
     out += ["", "Choice"]
     if ch["pinned"]:

@@ -19,8 +19,8 @@ DIM, RESET = "\x1b[2m", "\x1b[0m"  # the app's own styling of the reasoning on a
 
 
 def add_parser(sub) -> None:
-    from .cli import (MAX_DEPTH, MAX_NEW_TOKENS, add_model_args, add_tp_arg, add_think_arg, depth, int_in,
-                      max_new_tokens, seed, temperature, top_k, top_p, utf8_text)
+    from .cli import (MAX_DEPTH, MAX_NEW_TOKENS, SEED_MAX, SEED_MIN, add_draft_args, add_model_args, add_tp_arg,
+                      add_think_arg, depth, int_in, max_new_tokens, seed, temperature, top_k, top_p, utf8_text)
 
     p = sub.add_parser("run", help="generate a reply to one prompt")
     source = p.add_mutually_exclusive_group(required=True)
@@ -31,19 +31,25 @@ def add_parser(sub) -> None:
     p.add_argument("--raw", action="store_true", help="feed the prompt text without the chat template")
     p.add_argument("--max-new-tokens", type=max_new_tokens(1), default=256, metavar="N",
                    help=f"at most N new tokens (1 .. {MAX_NEW_TOKENS:,}, and within the model's context)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token, to --max-new-tokens (benchmarking)")
     p.add_argument("--depth", type=depth, default=2,
                    help=f"speculation depth, 0 .. {MAX_DEPTH} (0 = plain decoding), or auto")
-    p.add_argument("--temperature", type=temperature, default=0.0)
-    p.add_argument("--top-p", type=top_p, default=1.0)
-    p.add_argument("--top-k", type=top_k, default=0)
-    p.add_argument("--seed", type=seed)
+    p.add_argument("--temperature", type=temperature, default=0.0, metavar="T",
+                   help="sampling temperature, >= 0 (0 = greedy: the model's most likely token)")
+    p.add_argument("--top-p", type=top_p, default=1.0, metavar="P",
+                   help="nucleus sampling: keep the likeliest tokens up to probability P, in (0, 1] (1 = off)")
+    p.add_argument("--top-k", type=top_k, default=0, metavar="K",
+                   help="keep the K likeliest tokens, >= 0 (0 = off)")
+    p.add_argument("--seed", type=seed, metavar="S",
+                   help=f"random seed of sampling, {SEED_MIN} .. {SEED_MAX} (default: a fresh one each run)")
     add_think_arg(p)
     p.add_argument("--think-budget", type=int_in(1, MAX_NEW_TOKENS), metavar="N",
                    help="at most N reasoning tokens: then the engine closes the reasoning and the answer follows")
     p.add_argument("--show-thinking", action="store_true",
                    help="stream a thinking model's reasoning to stderr (stdout gets the answer only)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_draft_args(p)
     add_tp_arg(p)
 
 
@@ -93,11 +99,16 @@ def run(args) -> int:
 
     tp = getattr(args, "tp", 1)
     if tp > 1 or under_torchrun():  # N ranks run the same loop; rank 0 owns the output
+        if args.draft_model or args.drafter:
+            from engine import EngineError
+
+            raise EngineError("--draft-model / --drafter: not with tensor parallelism (--tp) yet")
         if tp > 1 and not under_torchrun() and not args.model:
             args.model = default_model_path()  # every rank loads the same checkpoint
         check_tp_args(args)  # devices, cores, heads: before any worker starts
         return launch_tp(_run_rank, args, tp, args.device)
-    return _run(args, load_engine(args.model, args.device, args.dtype, max_context=args.max_context))
+    return _run(args, load_engine(args.model, args.device, args.dtype, max_context=args.max_context,
+                                  draft_model=args.draft_model, drafter=args.drafter))
 
 
 def _run_rank(args, group) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -73,7 +75,7 @@ class TimingPane(VerticalScroll):
         parts: list[Cell] = [("speculation depth ", "bold"), (DASH if depth is None else f" {depth} ", "bold reverse")]
         if depth == 0:
             parts.append("  plain decoding")
-        if cycle_depth is not None:
+        if cycle_depth is not None:  # while a reply streams (its last cycle may be short: the token limit)
             parts.append((f"  (last cycle: {cycle_depth})", "dim"))
         self.query_one("#timing-depth", LiveStatic).show(Content.assemble(*parts))
 
@@ -93,7 +95,7 @@ class TimingPane(VerticalScroll):
 
     def show(self, stats: ReplyStats, depth: int | None) -> None:
         last = stats.last_cycle
-        self.show_depth(depth, last.depth if last else None)
+        self.show_depth(depth, last.depth if last and stats.final is None else None)
 
         rate = stats.acceptance_rate
         counted = bool(stats.cycles)
@@ -161,6 +163,13 @@ def _scalar(value) -> str:
     return terminal_safe(str(value))  # paths, model names, error texts: never raw to the terminal
 
 
+def threads_text(threads: int, cpus: int | None) -> str:
+    """'1 of 2 CPUs (one left to the UI)': doctor counts the CPUs, the chat's torch uses one less."""
+    if not cpus:
+        return str(threads)
+    return f"{threads} of {cpus} CPUs" + (" (one left to the UI)" if threads == cpus - 1 else "")
+
+
 def _section(value) -> Table | Text:
     """One diagnostics section: key/value rows; a nested dict shows as 'name  first value' with the rest dim
     below (e.g. a backend and why it was chosen); a list of dicts as one line each."""
@@ -176,6 +185,8 @@ def _section(value) -> Table | Text:
                     line = _scalar(sub) if sub_key == "reason" else f"{sub_key}: {_scalar(sub)}"
                     cell.append(f"\n{line}", style="dim")
                 table.add_row(_scalar(key), cell)
+            elif key == "threads" and isinstance(item, int):
+                table.add_row("torch threads", threads_text(item, os.cpu_count()))
             else:
                 table.add_row(_scalar(key), _scalar(item if key != "params" else human_count(item)))
         return table

@@ -47,6 +47,43 @@ def log_path() -> Path:
     return data_dir() / "mtpchat.log"
 
 
+def private_dir(path: Path) -> Path:
+    """``path`` as a folder, each missing part created 0700 (conversations, exports and logs are the user's
+    own); folders that exist keep their mode. OSError when it cannot be made (a file in the way)."""
+    target = path = Path(path)
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            if not folder.is_dir():
+                raise
+    return target
+
+
+def private_file(path: Path) -> Path:
+    """Create ``path`` empty and 0600 when it does not exist yet (SQLite and logging would create it with the
+    umask's mode, often world-readable); an existing file keeps its mode."""
+    private_dir(Path(path).parent)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    return Path(path)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path``, a new file created 0600."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
 def cache_dir() -> Path:
     home = _home()
     return home / "cache" if home else Path(platformdirs.user_cache_dir(APP_NAME))

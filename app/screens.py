@@ -1,9 +1,8 @@
-"""Modal screens: help, settings, export, model picker, conversations. Each returns its result through
-``dismiss`` (the oterm pattern); none touches the engine."""
+"""Modal screens: help, settings, export, model picker (the conversations screen is app/conversations.py). Each
+returns its result through ``dismiss`` (the oterm pattern); none touches the engine."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -23,7 +22,7 @@ from .downloads import CONFIRM
 from .export import FORMATS, ExportError
 from .panes import human_count
 from .safe_text import first_line, terminal_safe
-from .settings import Settings, format_template_vars, parse_depth, parse_template_vars
+from .settings import MAX_DEPTH, Settings, format_template_vars, parse_depth, parse_template_vars
 
 
 class Dialog(ModalScreen):
@@ -40,15 +39,19 @@ KEYS: list[tuple[str, str]] = [
     ("escape", "stop generating"),
     ("alt+0 … alt+4", "speculation depth 0 (plain decoding) … 4, also mid-reply"),
     ("alt+a", "speculation depth auto: the engine picks each cycle's depth"),
-    ("alt+- / alt+=", "depth down / up along auto, 0, 1, … (and +/- when the input is not focused)"),
+    ("alt+- / alt+=", f"depth down / up along auto, 0, 1, … {MAX_DEPTH} (run --depth's range too; +/- when the "
+                      "input is not focused)"),
     ("f2", "toggle acceptance highlights (accepted MTP drafts marked)"),
     ("f3 / f4", "timing pane / diagnostics pane (again: hide)"),
-    ("f5", "model picker (switch without restarting); its Download tab fetches a model, f8 cancels"),
+    ("f5", "model picker (switch without restarting); f9 there: its Download tab fetches a model, f8 cancels"),
     ("f6", "settings: system prompt, sampling, max tokens"),
     ("f7", "export transcript (Markdown, JSON) and timing log (CSV, JSONL)"),
     ("ctrl+n", "new chat"),
-    ("ctrl+o", "open a past conversation"),
-    ("ctrl+r", "retry: generate the last reply again"),
+    ("ctrl+o", "conversations: open, / search, r rename, d delete"),
+    ("ctrl+r", "retry: a new reply, the previous ones kept as alternatives"),
+    ("alt+← / alt+→", "previous / next alternative of the last reply"),
+    ("alt+e", "edit the last message (enter resends it in its place, esc cancels)"),
+    ("↑ / ↓", "in an empty input: earlier prompts"),
     ("alt+c / alt+k", "copy the last reply / the last code block"),
     ("alt+t", "thinking on / off from the next reply (models whose template has the switch)"),
     ("c / k", "on a focused message: copy it / copy its next code block (click a code block to copy it)"),
@@ -99,7 +102,7 @@ class SettingsScreen(Dialog):
             yield TextArea(self.system_prompt, id="set-system", soft_wrap=True)
             with Horizontal(classes="fields"):
                 yield self._field("max tokens", "set-max", str(s.max_new_tokens), "integer")
-                yield self._field("depth (auto or 0-16)", "set-depth", str(s.depth), "text")
+                yield self._field(f"depth (auto or 0-{MAX_DEPTH})", "set-depth", str(s.depth), "text")
                 yield self._field("seed (blank: random)", "set-seed", "" if s.seed is None else str(s.seed), "integer")
             with Horizontal(classes="fields"):
                 yield self._field("temperature (0: greedy)", "set-temperature", str(s.temperature), "number")
@@ -107,6 +110,7 @@ class SettingsScreen(Dialog):
                 yield self._field("top-k (0: off)", "set-top-k", str(s.top_k), "integer")
             yield Checkbox("ignore end-of-sequence (keep generating to max tokens: for benchmarking)",
                            s.ignore_eos, id="set-ignore-eos")
+            yield Checkbox("render replies as Markdown (off: their plain text)", s.markdown, id="set-markdown")
             yield from self._thinking_fields()
             yield Label("", id="settings-error", classes="dialog-error")
             with Horizontal(classes="buttons"):
@@ -164,6 +168,7 @@ class SettingsScreen(Dialog):
                 top_k=self._value("set-top-k", int),
                 system_prompt=self.query_one("#set-system", TextArea).text,
                 ignore_eos=self.query_one("#set-ignore-eos", Checkbox).value,
+                markdown=self.query_one("#set-markdown", Checkbox).value,
                 think=self.THINK_VALUES[self.query_one("#set-think", Select).value],
                 think_budget=self._value("set-think-budget", int),
                 template_vars=template_vars,
@@ -243,8 +248,11 @@ class ModelPickerScreen(Dialog):
     """Discovered models (``engine.discover``) plus a path field; returns the chosen path. The Download tab
     lists the catalogue and runs the app's download (app/downloads.py); a finished one is returned the same way."""
 
+    # f9 / ctrl+page keys switch the tabs: keys no widget here uses and the app does not bind (its f1-f7 are
+    # priority bindings; f5 again once raced with them)
     BINDINGS = [Binding("escape", "cancel", "Cancel"),
-                Binding("f8", "cancel_download", "Cancel download", priority=True)]  # Input keeps ctrl+x: cut
+                Binding("f8", "cancel_download", "Cancel download", priority=True),  # Input keeps ctrl+x: cut
+                Binding("f9,ctrl+pagedown,ctrl+pageup", "switch_tab", "Installed / Download", priority=True)]
 
     def __init__(self, current: str | None = None, discover: Callable[[], list] | None = None,
                  device: str | None = None):
@@ -261,6 +269,7 @@ class ModelPickerScreen(Dialog):
         with Vertical(classes="dialog", id="models-dialog"):
             yield Label("Models", classes="dialog-title")
             yield Label(f"loaded: {terminal_safe(self.current or '—')}", id="models-current", markup=False)
+            yield Label("f9 switches Installed / Download · escape closes", classes="dialog-hint", id="models-keys")
             with TabbedContent(id="models-tabs"):
                 with TabPane("Installed", id="tab-installed"):
                     table = DataTable(id="models-table", cursor_type="row", zebra_stripes=True)
@@ -352,6 +361,12 @@ class ModelPickerScreen(Dialog):
     def _cancel(self) -> None:
         self.dismiss(None)
 
+
+    def action_switch_tab(self) -> None:
+        # by focus: TabbedContent shows the pane of the focused widget (setting `active` while the focus stays
+        # in the other pane switches straight back)
+        to_download = self.query_one("#models-tabs", TabbedContent).active != "tab-download"
+        self.query_one("#catalogue-table" if to_download else "#models-table", DataTable).focus()
 
     @on(TabbedContent.TabActivated, "#models-tabs")
     def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
@@ -454,54 +469,3 @@ class ModelPickerScreen(Dialog):
             bar.update(total=progress.total or None, progress=progress.done)
             total = format_bytes(progress.total) if progress.total else "?"
             label.update(f"{format_bytes(progress.done)} / {total}")
-
-
-# conversations ---------------------------------------------------------------------------------------
-class ConversationsScreen(Dialog):
-    """Past conversations, newest first: enter opens, d deletes."""
-
-    BINDINGS = [Binding("escape", "cancel", "Close"), Binding("d", "delete", "Delete")]
-
-    def __init__(self, list_conversations: Callable[[], list], delete: Callable[[int], None], current: int | None):
-        super().__init__()
-        self.list_conversations = list_conversations
-        self.delete = delete
-        self.current = current
-
-    def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog", id="conversations-dialog"):
-            yield Label("Conversations", classes="dialog-title")
-            table = DataTable(id="conversations-table", cursor_type="row", zebra_stripes=True)
-            table.add_columns("title", "messages", "updated")
-            yield table
-            yield Label("enter opens · d deletes · escape closes", classes="dialog-hint")
-
-    def on_mount(self) -> None:
-        self._fill()
-        self.query_one(DataTable).focus()
-
-    def _fill(self) -> None:
-        table = self.query_one(DataTable)
-        table.clear()
-        for conv in self.list_conversations():
-            marker = "● " if conv.id == self.current else ""
-            updated = time.strftime("%Y-%m-%d %H:%M", time.localtime(conv.updated_at))
-            table.add_row(_cell(marker + (conv.title or "(empty chat)")), str(conv.messages), updated,
-                          key=str(conv.id))
-
-    @on(DataTable.RowSelected)
-    def _open(self, event: DataTable.RowSelected) -> None:
-        self.dismiss(int(event.row_key.value))
-
-    def action_delete(self) -> None:
-        table = self.query_one(DataTable)
-        if table.row_count == 0:
-            return
-        row_key, _ = table.coordinate_to_cell_key(table.cursor_coordinate)
-        conv_id = int(row_key.value)
-        if conv_id == self.current:
-            self.notify("That is the open conversation; open another one first", severity="warning")
-            return
-        self.delete(conv_id)
-        self._fill()
-        self.notify("Conversation deleted")

@@ -26,6 +26,7 @@ def parse_depth(text: str) -> int | str:
 class Settings:
     theme: str = "mtp-dusk"
     highlight: bool = True  # show accepted-draft tokens highlighted
+    markdown: bool = True  # render replies as Markdown (the highlights inside it); off: their plain text
     side_panel: bool = True
     depth: int | str = AUTO  # drafts per cycle, or auto (the engine picks each cycle's)
     max_new_tokens: int = 512
@@ -149,7 +150,7 @@ def load_settings(path: Path | None = None) -> Settings:
 def save_settings(settings: Settings, path: Path | None = None) -> None:
     """Write atomically (temp file + rename) so a kill never leaves half a file."""
     path = path or paths.settings_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    paths.private_dir(path.parent)  # 0700, as the data folder (mkstemp makes the file 0600)
     fd, tmp = tempfile.mkstemp(prefix=".settings-", suffix=".json", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:

@@ -153,6 +153,15 @@ class ReplyStats:
         final = self._final("phase_ms")
         return dict(final) if final else dict(self.phase_total_ms)
 
+    def summary(self) -> dict:
+        """The numbers so far under the engine's stats keys: what a reply cut off by the app's exit keeps."""
+        if self.final:
+            return dict(self.final)
+        return {"depth": self.depth, "cycles": self.cycles, "drafted": self.drafted, "accepted": self.accepted,
+                "generated_tokens": self.tokens, "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length, "tokens_per_s": self.tokens_per_s,
+                "ttft_ms": self.ttft_ms, "per_position_acceptance": self.per_position, "phase_ms": self.phase_ms}
+
 
 def stats_line(stats: dict | None) -> str:
     """A finished reply's numbers on one line: '52.1 tok/s · depth 2 · 71% accepted · 2.42 tok/cycle'."""

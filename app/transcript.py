@@ -1,10 +1,10 @@
 """The chat transcript: one ``MessageView`` per message, and the prompt input.
 
-Acceptance highlights: an assistant reply is shown either as Markdown (normal mode) or, in highlight mode, as
-its plain text with every token that came from an accepted MTP draft marked in the theme's ``$draft-token``
-colours. Highlight mode works live while streaming and for replies reopened from the database, because each
-reply stores its per-token text and source tags. (Markdown formatting and per-token marks do not mix: the
-Markdown renderer re-flows text, so token boundaries are lost; showing the raw text keeps the mapping exact.)
+An assistant reply is shown as Markdown (the `markdown` setting; off: its plain text) and, in highlight mode (f2),
+with every token that came from an accepted MTP draft marked in the theme's ``$draft-token`` colours, inside the
+Markdown too: app/markdown_spans.py maps the per-token marks onto the rendered blocks (code, emphasis, headings,
+lists, tables). Both work live while streaming and for replies reopened from the database, because each reply
+stores its per-token text and source tags.
 
 A thinking model's reply has two parts (app/reply_parts.py): its reasoning is a collapsible "thinking" block
 above the answer, expanded and streaming while the reasoning runs, collapsed when the answer starts, titled with
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from markdown_it import MarkdownIt
 from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -25,23 +24,24 @@ from textual.containers import Vertical
 from textual.content import Content, Span
 from textual.message import Message
 from textual.timer import Timer
-from textual.widgets import Collapsible, Markdown, Static, TextArea
+from textual.widgets import Collapsible, Static, TextArea
 from textual.widgets.markdown import MarkdownFence
 
 from .live import LiveStatic
+from .markdown_spans import DRAFT_STYLE, DraftMarkdown, parser
 from .reply_parts import (ANSWER, REASONING, ToolCall, reasoning_ms, select, shown_answer, split_tool_calls,
                           thinking_title, tool_call_text, tool_call_title)
 from .safe_text import terminal_safe
 from .stats import stats_line
 from .store import Message as StoredMessage
 
-DRAFT_STYLE = "$draft-token-text on $draft-token"
-
 # Message text never reaches the terminal raw (an escape sequence in a reply could retitle the terminal, write
 # the clipboard, ...). C0 controls a model or a paste may put in, ESC and BEL included, are shown as their
 # Unicode "control pictures" (newline and tab are kept), so "\x1b]0;x\x07" reads "␛]0;x␇"; what terminal_safe
-# strips after that (C1 controls) is dropped. The stored text stays as it was written.
-_VISIBLE = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"} | {0x7F: 0x2421}
+# strips after that (C1 controls) is dropped. The stored text stays as it was written. The Unicode line and
+# paragraph separators become newlines: Textual counts them as line breaks and markdown-it does not, and the
+# Markdown's incremental re-parse (app/markdown_spans.py) needs both to count the same lines.
+_VISIBLE = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"} | {0x7F: 0x2421, 0x2028: 0x0A, 0x2029: 0x0A}
 
 
 def visible(text: str) -> str:
@@ -51,23 +51,42 @@ def visible(text: str) -> str:
 
 def highlighted(pieces: list[str], sources: list[str]) -> Content:
     """Plain reply text with accepted-draft tokens styled (consecutive draft tokens form one span)."""
-    text_parts: list[str] = []
-    spans: list[Span] = []
-    offset = 0
-    run_start = None
-    for piece, source in zip(pieces, sources):
-        if source == "draft":
-            if run_start is None:
-                run_start = offset
-        elif run_start is not None:
-            spans.append(Span(run_start, offset, DRAFT_STYLE))
-            run_start = None
-        shown = visible(piece)  # piece by piece, so the offsets are those of the text shown
-        text_parts.append(shown)
-        offset += len(shown)
-    if run_start is not None and offset > run_start:
-        spans.append(Span(run_start, offset, DRAFT_STYLE))
-    return Content("".join(text_parts), spans, strip_control_codes=False)
+    return Highlighter().content(pieces, sources)
+
+
+class Highlighter:
+    """``highlighted`` for a reply that grows while it streams: only the pieces added since the last call are
+    made visible (each call over a 2,000-token reply would otherwise cost milliseconds of the UI thread)."""
+
+    def __init__(self):
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pieces: list[str] = []  # the pieces seen, as given
+        self._shown: list[str] = []
+        self._spans: list[Span] = []
+        self._offset, self._run_start = 0, None
+
+    def content(self, pieces: list[str], sources: list[str]) -> Content:
+        seen = len(self._pieces)
+        if len(pieces) < seen or pieces[:1] != self._pieces[:1] or (seen and pieces[seen - 1] != self._pieces[-1]):
+            self._reset()  # not a continuation of what was seen: start again
+            seen = 0
+        for piece, source in zip(pieces[seen:], sources[seen:]):
+            if source == "draft":
+                if self._run_start is None:
+                    self._run_start = self._offset
+            elif self._run_start is not None:
+                self._spans.append(Span(self._run_start, self._offset, DRAFT_STYLE))
+                self._run_start = None
+            shown = visible(piece)  # piece by piece, so the offsets are those of the text shown
+            self._pieces.append(piece)
+            self._shown.append(shown)
+            self._offset += len(shown)
+        spans = list(self._spans)
+        if self._run_start is not None and self._offset > self._run_start:
+            spans.append(Span(self._run_start, self._offset, DRAFT_STYLE))
+        return Content("".join(self._shown), spans, strip_control_codes=False)
 
 
 def without_leading_blank(pieces: list[str], sources: list[str]) -> tuple[list[str], list[str]]:
@@ -89,14 +108,9 @@ def without_tool_calls(content: Content) -> Content:
     return Content("").join(kept).rstrip() if kept else Content("")
 
 
-def answer_markdown(answer: str) -> str:
-    """The answer's Markdown, tool-call blocks left out."""
-    return "".join(s for s in split_tool_calls(shown_answer(answer)) if isinstance(s, str)).rstrip()
-
-
 def code_blocks(markdown: str) -> list[str]:
     """The fenced and indented code blocks of a Markdown text, in order."""
-    return [t.content for t in MarkdownIt("commonmark").parse(markdown) if t.type in ("fence", "code_block")]
+    return [t.content for t in parser().parse(markdown) if t.type in ("fence", "code_block")]
 
 
 class MessageView(Vertical, can_focus=True):
@@ -107,16 +121,19 @@ class MessageView(Vertical, can_focus=True):
         Binding("k", "copy_code", "Copy code"),
     ]
 
-    def __init__(self, message: StoredMessage, *, highlight: bool = True, streaming: bool = False):
+    def __init__(self, message: StoredMessage, *, highlight: bool = True, markdown: bool = True,
+                 streaming: bool = False):
         super().__init__(classes=message.role)
         self.message = message
         self.highlight = highlight
+        self.markdown = markdown  # render the answer as Markdown (else its plain text)
         self.streaming = streaming
         self._code_index = 0
         self._timer: Timer | None = None
         self._render_s = 0.0  # how long the last streamed render took
         self._render_lock = asyncio.Lock()
-        self._markdown_len = len(message.content)  # characters of the reply the Markdown widget holds
+        self._highlighter = Highlighter()  # the answer's shown text, built as its pieces come
+        self._reasoning_highlighter = Highlighter()
         self.reasoning_ms: float | None = None  # while the reasoning streams: its time so far (the app sets it)
         self._reasoning_running = streaming and REASONING in message.parts[-1:]
         self._auto_collapsed = not streaming  # the thinking block collapses once, when the answer starts
@@ -133,8 +150,9 @@ class MessageView(Vertical, can_focus=True):
                                classes="thinking")
         thinking.display = self._has_reasoning()
         yield thinking
-        yield Markdown(self._answer_markdown(), classes="message-body reply-markdown")
-        yield LiveStatic(self._highlight_content(), classes="message-body reply-highlight")
+        answer = self._answer_content()  # only the view in use holds it
+        yield DraftMarkdown(answer if self.markdown else None, classes="message-body reply-markdown")
+        yield LiveStatic(Content("") if self.markdown else answer, classes="message-body reply-text")
         yield Vertical(*self._tool_call_blocks(), classes="tool-calls")
         yield Static(self._footer(), classes="message-footer", markup=False)
 
@@ -156,22 +174,36 @@ class MessageView(Vertical, can_focus=True):
         line = stats_line(m.stats)
         if line:
             notes.append(line)
+        if m.finish_reason == "length" and m.status != "stopped":  # else it just ends mid-sentence
+            notes.append("cut off at the token limit (max tokens: f6; or the model's context)")
         if m.status == "stopped":
-            notes.append("stopped")
+            notes.append("stopped by you")
         elif m.status == "interrupted":
             notes.append("interrupted (the app was closed while it was generating)")
+        elif m.status == "incomplete":
+            notes.append("incomplete (part of it could not be saved)")
         if m.error:
             notes.append(f"error: {m.error}")
         return terminal_safe(" · ".join(notes))  # an error may quote model text or a path
 
-    def _highlight_content(self) -> Content:
+    def _answer_content(self) -> Content:
+        """The answer as shown (tool calls cut out once complete), its accepted drafts marked in highlight mode.
+        Built from the engine's pieces, made visible piece by piece, so the marks' offsets are the shown text's."""
         m = self.message
         pieces, sources = self._part(ANSWER)
         if pieces and "".join(pieces).strip():
-            content = highlighted(*without_leading_blank(pieces, sources))
+            content = self._highlighter.content(*without_leading_blank(pieces, sources))
         else:  # no per-token data (e.g. nothing generated yet)
             content = Content(visible(shown_answer(m.content)), strip_control_codes=False)
-        return content if self.streaming else without_tool_calls(content)
+        if not self.streaming:
+            content = without_tool_calls(content)
+        return content if self.highlight else Content(content.plain, strip_control_codes=False)
+
+    def shown_answer(self) -> Content:
+        """The answer's text as rendered, with its styles (one Markdown block a line)."""
+        if self.markdown:
+            return self.query_one(".reply-markdown", DraftMarkdown).shown()
+        return self.query_one(".reply-text", LiveStatic).visual
 
     def _part(self, part: str) -> tuple[list[str], list[str]]:
         """The pieces and sources of the reply's tokens in ``part`` (a reply without parts is all answer)."""
@@ -180,10 +212,6 @@ class MessageView(Vertical, can_focus=True):
             return (list(m.pieces), list(m.sources)) if part == ANSWER else ([], [])
         pieces, sources = select(part, m.parts, m.pieces, m.sources)
         return pieces, sources
-
-    def _answer_markdown(self) -> str:
-        text = shown_answer(self.message.content)
-        return visible(text if self.streaming else answer_markdown(text))
 
     # the reasoning ---------------------------------------------------------------------------------------
     def _has_reasoning(self) -> bool:
@@ -196,7 +224,7 @@ class MessageView(Vertical, can_focus=True):
             return Content(visible(self.message.reasoning.strip("\n")), strip_control_codes=False)
         while pieces and not pieces[-1].strip("\n"):  # the newline before `</think>` (and the marker's "")
             pieces, sources = pieces[:-1], sources[:-1]
-        return highlighted(*without_leading_blank(pieces, sources))
+        return self._reasoning_highlighter.content(*without_leading_blank(pieces, sources))
 
     def _thinking_title(self) -> Content:
         tokens = self.message.parts.count(REASONING)
@@ -241,8 +269,8 @@ class MessageView(Vertical, can_focus=True):
         await box.mount_all(self._tool_call_blocks())
 
     def _show_mode(self) -> None:
-        self.query_one(".reply-markdown").display = not self.highlight
-        self.query_one(".reply-highlight").display = self.highlight
+        self.query_one(".reply-markdown").display = self.markdown
+        self.query_one(".reply-text").display = not self.markdown
         self.set_class(self.highlight, "highlight")
 
     # updates -----------------------------------------------------------------------------------------
@@ -264,27 +292,20 @@ class MessageView(Vertical, can_focus=True):
         started = time.perf_counter()
         async with self._render_lock:
             self._update_reasoning()
-            if self.highlight:
-                self.query_one(".reply-highlight", LiveStatic).show(self._highlight_content())
+            if self.markdown:  # Markdown re-parses and rebuilds only its last block (app/markdown_spans.py)
+                await self.query_one(".reply-markdown", DraftMarkdown).show(self._answer_content())
             else:
-                new = self.message.content[self._markdown_len :]
-                if new:
-                    if not self._markdown_len:
-                        new = shown_answer(new)
-                    self._markdown_len = len(self.message.content)
-                    if new:
-                        await self.query_one(".reply-markdown", Markdown).append(visible(new))
+                self.query_one(".reply-text", LiveStatic).show(self._answer_content())
         self._render_s = time.perf_counter() - started
 
     async def refresh_body(self) -> None:
         """Render the whole body again in the current mode."""
         async with self._render_lock:
             self._update_reasoning()
-            if self.highlight:
-                self.query_one(".reply-highlight", Static).update(self._highlight_content())
+            if self.markdown:
+                await self.query_one(".reply-markdown", DraftMarkdown).show(self._answer_content(), whole=True)
             else:
-                self._markdown_len = len(self.message.content)
-                await self.query_one(".reply-markdown", Markdown).update(self._answer_markdown())
+                self.query_one(".reply-text", LiveStatic).update(self._answer_content())
             if not self.streaming:
                 await self._refresh_tool_calls()
 
@@ -309,10 +330,20 @@ class MessageView(Vertical, can_focus=True):
         await self.refresh_body()
         self._show_mode()
 
+    async def set_markdown(self, on: bool) -> None:
+        if self.message.role != "assistant" or on == self.markdown:
+            return
+        self.markdown = on
+        await self.refresh_body()
+        self._show_mode()
+        if not on:  # the view not in use holds nothing
+            await self.query_one(".reply-markdown", DraftMarkdown).show(Content(""), whole=True)
+        else:
+            self.query_one(".reply-text", LiveStatic).update("")
+
     # copy --------------------------------------------------------------------------------------------
     def action_copy(self) -> None:
-        self.app.copy_to_clipboard(self.message.content)
-        self.notify(f"Copied the message ({len(self.message.content)} characters) to the clipboard")
+        self.app.copy_text(self.message.content, f"the message ({len(self.message.content)} characters)")
 
     def action_copy_code(self) -> None:
         blocks = code_blocks(self.message.content)
@@ -324,9 +355,8 @@ class MessageView(Vertical, can_focus=True):
         self._copy_code(blocks[index], f"code block {index + 1}/{len(blocks)}")
 
     def _copy_code(self, code: str, what: str) -> None:
-        self.app.copy_to_clipboard(code)
         lines = code.count("\n") + (not code.endswith("\n"))
-        self.notify(f"Copied {what} ({lines} lines) to the clipboard")
+        self.app.copy_text(code, f"{what} ({lines} lines)")
 
     def on_click(self, event: events.Click) -> None:
         widget = event.widget

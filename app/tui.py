@@ -7,21 +7,21 @@ messages it posts. Conversations are saved to SQLite as they happen (``Store``),
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import logging
 import os
+import signal
 import sqlite3
-import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Iterable
 
 from textual import on
-from textual.app import App, ComposeResult, SystemCommand
-from textual.binding import Binding
+from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.content import Content
-from textual.screen import ModalScreen, Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Header, Static, TabbedContent, TabPane
 
@@ -29,18 +29,26 @@ import themes
 
 from engine import format_tokens
 
-from . import paths
+from . import terminal_keys
+from .chat_history import HISTORY_BINDINGS, ChatHistory
+from .clipboard import Clipboard
+from .dialogs import Dialogs
 from .downloads import DownloadJob
-from .export import export_conversation
+from .keys import APP_BINDINGS, DepthKeys
 from .live import LiveStatic
+from .palette import Palette
 from .panes import DiagnosticsPane, TimingPane
-from .reply_parts import REASONING, history_content
+from .persistence import Persistence, conversation_tokens
+from .reply_parts import REASONING
 from .safe_text import first_line, terminal_safe
-from .screens import ConversationsScreen, ExportScreen, HelpScreen, ModelPickerScreen, SettingsScreen
-from .settings import AUTO, DEPTH_KEYS, DEPTH_ORDER, MAX_DEPTH, Settings, load_settings, save_settings
+from .settings import Settings, load_settings
+from .side_pane import SidePane
 from .stats import ReplyStats
+from .status import StatusLine, warmup_text
 from .store import Conversation, Message, Store, StoreError, title_for
-from .transcript import DRAFT_STYLE, MessageView, PromptInput
+from .thinking_control import ThinkingControl
+from .transcript import MessageView, PromptInput
+from .welcome import DEMO_HINT, EMPTY_HINT, is_demo
 from .worker import (
     EngineLoaded,
     EngineLoadFailed,
@@ -52,9 +60,7 @@ from .worker import (
     ReplyFinished,
     ReplyProgress,
     ReplyStarted,
-    SetDepth,
     Stop,
-    SwitchModel,
     WarmedUp,
     WarmupProgress,
     default_loader,
@@ -62,16 +68,18 @@ from .worker import (
 
 log = logging.getLogger("mtpchat")
 
-EMPTY_HINT = Content.assemble(
-    ("Ask anything.\n\n", "bold"),
-    "The model's MTP head drafts tokens ahead and the model checks them; tokens it accepted are shown ",
-    ("like this", DRAFT_STYLE),
-    " (f2 toggles). alt+0…alt+4 sets how many tokens are drafted per cycle, even mid-reply; "
-    "f3 shows where the time goes. f1 lists every key.",
-)
-# Added to the welcome while the embedded demo model is loaded: it only babbles, a real one is a download away.
-DEMO_HINT = ("\n\nThis is the tiny built-in demo model (it writes nonsense): f5 → Download fetches a real one "
-             "sized for this machine.")
+def while_open(handler):
+    """A handler of the worker's messages that does nothing once the app is exiting: a load or a reply that
+    outlives a quit posts into a chat whose widgets are being removed (once NoMatches('#diagnostics-pane'))."""
+    if inspect.iscoroutinefunction(handler):
+        async def handle(app: "MtpChatApp", message) -> None:
+            if not app.exiting:
+                await handler(app, message)
+    else:
+        def handle(app: "MtpChatApp", message) -> None:
+            if not app.exiting:
+                handler(app, message)
+    return functools.wraps(handler)(handle)
 
 
 @dataclass
@@ -83,43 +91,16 @@ class StreamingReply:
     stats: ReplyStats = field(default_factory=ReplyStats)
 
 
-NARROW_COLUMNS = 100  # below this the side panel is hidden unless asked for
+class MtpChatApp(DepthKeys, ThinkingControl, ChatHistory, Persistence, StatusLine, SidePane, Dialogs, Clipboard,
+                 Palette, App):
+    """The chat: the App, its layout and the handlers of the worker's messages. What the keys, dialogs, status
+    line, side pane, clipboard, palette and store glue do lives in the mixins, one file each."""
 
-
-class MtpChatApp(App):
     TITLE = "mtpchat"
     CSS_PATH = [Path(__file__).with_name("app.tcss"), themes.CSS_PATH]
     COMMAND_PALETTE_BINDING = "ctrl+p"
 
-    BINDINGS = [
-        # priority: the prompt (a TextArea) has its own uses for some of these keys (f6, f7)
-        Binding("f1", "help", "Help", priority=True, id="help"),
-        Binding("question_mark", "help", "Help", show=False, id="help-question"),
-        Binding("escape", "stop", "Stop", id="stop"),
-        Binding("f2", "toggle_highlight", "Highlights", priority=True, id="highlight"),
-        Binding("f3", "pane('timing')", "Timing", priority=True, id="timing"),
-        Binding("f4", "pane('diagnostics')", "Diagnostics", show=False, priority=True, id="diagnostics"),
-        Binding("f5", "models", "Models", priority=True, id="models"),
-        Binding("f6", "settings", "Settings", priority=True, id="settings"),
-        Binding("f7", "export", "Export", priority=True, id="export"),
-        Binding("ctrl+n", "new_chat", "New chat", id="new-chat"),
-        Binding("ctrl+o", "conversations", "Open", show=False, id="conversations"),
-        Binding("ctrl+r", "retry", "Retry", show=False, id="retry"),
-        Binding("alt+c", "copy_last", "Copy reply", show=False, priority=True, id="copy-last"),
-        Binding("alt+k", "copy_code", "Copy code block", show=False, priority=True, id="copy-code"),
-        Binding("alt+t", "toggle_thinking", "Thinking", show=False, priority=True, id="thinking"),
-        *[
-            Binding(f"alt+{d}", f"depth({d})", f"Depth {d}", show=False, priority=True, id=f"depth-{d}")
-            for d in range(DEPTH_KEYS + 1)
-        ],
-        Binding("alt+a", "depth('auto')", "Depth auto", show=False, priority=True, id="depth-auto"),
-        Binding("alt+minus", "depth_step(-1)", "Depth -", show=False, priority=True, id="depth-down"),
-        Binding("alt+equals_sign,alt+plus", "depth_step(1)", "Depth +", show=False, priority=True, id="depth-up"),
-        # plain keys work when the prompt is not focused (the prompt types them)
-        *[Binding(str(d), f"depth({d})", show=False) for d in range(DEPTH_KEYS + 1)],
-        Binding("minus", "depth_step(-1)", show=False),
-        Binding("plus,equals_sign", "depth_step(1)", show=False),
-    ]
+    BINDINGS = APP_BINDINGS + HISTORY_BINDINGS
 
     def __init__(
         self,
@@ -133,6 +114,7 @@ class MtpChatApp(App):
         think: bool | None = None,  # --think / --no-think: this session's, over the saved setting
     ):
         super().__init__()
+        terminal_keys.install()  # alt+4 and friends from terminals that send ESC + key
         self.settings: Settings = load_settings()
         self.depth = depth if depth is not None else self.settings.depth
         self.think = think if think is not None else self.settings.think  # None: the chat template's default
@@ -155,6 +137,7 @@ class MtpChatApp(App):
         self._stats_dirty = False
         self._save_error_shown = False
         self._picked_model: str | None = None
+        self._quit_code: int | None = None  # a quit waits for the reply in progress to be saved
         self._fallbacks_noticed: set[tuple[str, str]] = set()
         self.engine_info, self.engine_diagnostics = None, {}  # the loaded model's, refreshed after every reply
         # the context meter: tokens of the open conversation as last sent (None: not known until the next reply),
@@ -187,6 +170,7 @@ class MtpChatApp(App):
         with Horizontal(id="main"):
             with Vertical(id="chat"):
                 yield VerticalScroll(id="transcript")
+                yield LiveStatic("", id="side-summary")  # the timing pane in one line, when it has no room
                 with Horizontal(id="statusbar"):
                     yield Static(" accepted draft ", classes="legend-draft", id="legend-draft")
                     yield Static(" target ", classes="legend-target", id="legend-target")
@@ -210,6 +194,7 @@ class MtpChatApp(App):
 
     async def on_mount(self) -> None:
         self.chat_screen = self.screen
+        self._exit_on_signals()
         if self.get_theme(self.settings.theme) is None:
             self.settings.theme = themes.DEFAULT_THEME
         self.theme = self.settings.theme
@@ -226,9 +211,9 @@ class MtpChatApp(App):
         except StoreError as exc:
             self.notify(f"{exc}\nConversations will not be saved this session.", severity="error", timeout=15)
             self.store = Store(":memory:")
-        conv_id = self.store.latest_conversation_id()
-        if conv_id is None:
-            conv_id = self.store.create_conversation(self.settings.system_prompt)
+        self.watch_store_writes()
+        # the latest conversation, unless another mtpchat on this folder has it open (then a new one)
+        conv_id = self.store.startup_conversation(self.settings.system_prompt)
         await self.open_conversation(conv_id)
         self.ui("#timing-pane", TimingPane).show(self.last_stats, self.depth)
         self.ui("#prompt", PromptInput).focus()
@@ -236,39 +221,51 @@ class MtpChatApp(App):
         self.set_interval(self.STATS_REFRESH_S, self._refresh_stats)
         self.call_after_refresh(self.worker.start)  # the first frame before torch is imported
 
+    def _exit_on_signals(self) -> None:
+        """SIGTERM (kill, a closing session manager), SIGHUP (the terminal or the ssh link went) and an external
+        SIGINT end the app the way ctrl+q does: a reply in progress is saved with its stats, and Textual puts
+        the terminal back (alternate screen and mouse reporting off, cursor shown) instead of the process dying
+        with the terminal left in application mode. The exit status is the shell's 128 + signal number."""
+        if self.is_headless:  # the pilot: the test process keeps its own signals
+            return
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            try:
+                loop.add_signal_handler(signum, partial(self.quit_when_idle, 128 + signum))
+            except (NotImplementedError, RuntimeError, ValueError):  # Windows, or not the main thread
+                pass
+
+    QUIT_WAIT_S = 2.0  # how long a quit mid-reply waits for the engine's final numbers
+
+    exiting = False  # set when the app starts to exit: the worker's late messages are dropped (while_open)
+
+    def exit(self, *args, **kwargs) -> None:
+        self.exiting = True
+        super().exit(*args, **kwargs)
+
+    async def action_quit(self) -> None:
+        self.quit_when_idle()
+
+    def quit_when_idle(self, return_code: int = 0) -> None:
+        """Quit (ctrl+q, a signal); a reply in progress is stopped first, so it is saved with the engine's own
+        stats and finish reason. The app ends when the engine says it finished (_end_request), or after
+        QUIT_WAIT_S whatever it says."""
+        if self.request is None:
+            self.exit(return_code=return_code)
+            return
+        self._quit_code = return_code
+        self.worker.submit(Stop())
+        self.set_timer(self.QUIT_WAIT_S, partial(self.exit, return_code=return_code))
+
     def on_unmount(self) -> None:
-        if self.request is not None and self.store is not None:  # quit mid-reply: what came is kept
-            self._saved(self.store.finish_message, self.request.message.id, "stopped", finish_reason="stop")
+        if self.request is not None and self.store is not None:  # the engine did not answer: what came is kept
+            self._saved(self.store.finish_message, self.request.message.id, "stopped", finish_reason="stop",
+                        stats=self.request.stats.summary())
         if self.download is not None:  # quitting mid-download: the child goes too (the pull resumes later)
             self.download.cancel()
         self.worker.shutdown()
         if self.store is not None:
             self.store.close()
-
-    # conversation ----------------------------------------------------------------------------------------
-    async def open_conversation(self, conv_id: int) -> None:
-        assert self.store is not None
-        if self.request is not None:
-            self.request.view = None  # keeps saving, no longer shown
-        self.conversation = self.store.load_conversation(conv_id)
-        transcript = self.ui("#transcript", VerticalScroll)
-        await transcript.remove_children()
-        views = [MessageView(m, highlight=self.settings.highlight) for m in self.conversation.messages]
-        await transcript.mount_all(views or [Static(EMPTY_HINT, id="empty-hint")])
-        self._show_welcome()
-        prompt = self.ui("#prompt", PromptInput)
-        with prompt.prevent(PromptInput.Changed):
-            prompt.load_text(self.conversation.draft)
-        prompt.move_cursor(prompt.document.end)
-        self.sub_title = self._subtitle()
-        self.context_used, self.context_dropped = conversation_tokens(self.conversation.messages), 0
-        self._update_status()
-        transcript.anchor()
-
-    def _subtitle(self) -> str:
-        title = self.conversation.title if self.conversation else ""
-        model = self.model_name or ("loading…" if self.engine_state == "loading" else "no model")
-        return f"{model} — {title}" if title else model
 
     # the header shows these: a conversation title (one saved before titles were made terminal-safe) or a model
     # folder's name must not reach the terminal as escape sequences (an OSC 0 would retitle the terminal)
@@ -277,58 +274,6 @@ class MtpChatApp(App):
 
     def validate_sub_title(self, sub_title: str) -> str:
         return terminal_safe(sub_title)
-
-    def history(self) -> list[dict]:
-        """What the model sees: the system prompt, then the turns (failed or empty replies left out)."""
-        conv = self.conversation
-        messages = [{"role": "system", "content": conv.system_prompt}] if conv.system_prompt.strip() else []
-        markers = (getattr(self.thinking, "open_marker", None), getattr(self.thinking, "close_marker", None))
-        for m in conv.messages:
-            if m.role == "assistant" and (m.status in ("streaming", "error") or not m.content.strip()):
-                continue
-            # a reply's reasoning goes back in the model's own form; the template drops it from earlier turns
-            content = history_content(m.reasoning, m.content, *markers) if m.role == "assistant" else m.content
-            messages.append({"role": m.role, "content": content})
-        return messages
-
-    # thinking --------------------------------------------------------------------------------------------
-    def thinking_switch(self) -> tuple[bool, str | None]:
-        """Can thinking be switched for the loaded model, and if not, why not."""
-        info = self.thinking
-        if info is None:
-            return False, "no model is loaded yet"
-        return bool(info.switch), None if info.switch else (info.reason or "the model has no thinking switch")
-
-    def thinking_on(self) -> bool | None:
-        """Whether the next reply thinks: the user's choice, else the template's default (None: not known)."""
-        if not self.thinking_switch()[0]:
-            return None
-        return self.think if self.think is not None else self.thinking.default
-
-    def thinking_settings(self) -> dict:
-        """The GenerationSettings of thinking: enable_thinking only where the template has the switch (and the
-        user chose), the budget, the template variables the user set that the template reads."""
-        out = {}
-        if self.thinking_switch()[0] and self.think is not None:
-            out["think"] = self.think
-        if self.settings.think_budget is not None:
-            out["think_budget"] = self.settings.think_budget
-        known = set(getattr(self.thinking, "variables", None) or [])
-        variables = {k: v for k, v in self.settings.template_vars.items() if k in known}
-        if variables:
-            out["template_vars"] = variables
-        return out
-
-    def _saved(self, write, *args, **kwargs) -> bool:
-        """Run a store write; a failure (disk full, file removed) is reported once and the app keeps going."""
-        try:
-            write(*args, **kwargs)
-            return True
-        except sqlite3.Error as exc:
-            if not self._save_error_shown:
-                self._save_error_shown = True
-                self.notify(f"Could not save the conversation: {exc}", severity="error", timeout=15)
-            return False
 
     @on(PromptInput.Changed, "#prompt")
     def _draft_changed(self, event: PromptInput.Changed) -> None:
@@ -349,6 +294,7 @@ class MtpChatApp(App):
             return
         prompt = self.ui("#prompt", PromptInput)
         conv = self.conversation
+        await self.drop_edited()  # alt+e: the message it replaces goes first, with its reply
         try:
             user = self._add_message("user", text)
         except sqlite3.Error as exc:
@@ -361,24 +307,24 @@ class MtpChatApp(App):
         await self.generate()
 
     async def _mount_message(self, message: Message, streaming: bool = False) -> MessageView:
-        view = MessageView(message, highlight=self.settings.highlight, streaming=streaming)
+        view = MessageView(message, highlight=self.settings.highlight, markdown=self.settings.markdown,
+                           streaming=streaming)
         transcript = self.ui("#transcript", VerticalScroll)
         for hint in transcript.query("#empty-hint"):
             await hint.remove()
         await transcript.mount(view)
         return view
 
-    def _add_message(self, role: str, content: str = "", **kwargs) -> Message:
-        message_id = self.store.add_message(self.conversation.id, role, content, **kwargs)
-        message = Message(id=message_id, role=role, content=content, status=kwargs.get("status", "complete"),
-                          model=kwargs.get("model"))
-        self.conversation.messages.append(message)
-        return message
 
     async def generate(self) -> None:
         """Ask for the next assistant reply of the open conversation."""
+        s = self.settings
+        generation = dict(max_new_tokens=s.max_new_tokens, depth=self.depth, temperature=s.temperature,
+                          top_p=s.top_p, top_k=s.top_k, seed=s.seed, ignore_eos=s.ignore_eos,
+                          **self.thinking_settings())
         try:
-            reply = self._add_message("assistant", status="streaming", model=self.model_name)
+            reply = self._add_message("assistant", status="streaming", model=self.model_name,
+                                      settings=self.reply_settings(generation))
         except sqlite3.Error as exc:  # the user's message is saved and shown: ctrl+r asks again
             self.notify(f"Could not save the reply: {exc}. Your message is kept; ctrl+r retries.", severity="error")
             return
@@ -386,23 +332,19 @@ class MtpChatApp(App):
         self.request = StreamingReply(reply, view)
         self.request.stats.depth = self.depth
         self.ui("#transcript", VerticalScroll).anchor()
-        s = self.settings
-        self.worker.submit(Generate(
-            reply.id,
-            self.history(),
-            dict(max_new_tokens=s.max_new_tokens, depth=self.depth, temperature=s.temperature, top_p=s.top_p,
-                 top_k=s.top_k, seed=s.seed, ignore_eos=s.ignore_eos, **self.thinking_settings()),
-        ))
+        self.worker.submit(Generate(reply.id, self.history(), generation))
         self._show_stats()
         self._update_status()
 
     # engine messages -------------------------------------------------------------------------------------
+    @while_open
     def on_engine_loading(self, message: EngineLoading) -> None:
         self.engine_state = "loading"
         self.ui("#diagnostics-pane", DiagnosticsPane).show_loading(message.model)
         self.sub_title = self._subtitle()
         self._update_status()
 
+    @while_open
     def on_engine_loaded(self, message: EngineLoaded) -> None:
         self.engine_state = "warming" if message.warming_up else "ready"
         self.warmup_status, self.ready_note = "preparing kernels…", ""
@@ -429,11 +371,13 @@ class MtpChatApp(App):
         for hint in self.chat_screen.query("#empty-hint"):
             hint.update(Content.assemble(EMPTY_HINT, DEMO_HINT) if demo else EMPTY_HINT)
 
+    @while_open
     def on_warmup_progress(self, message: WarmupProgress) -> None:
         if self.engine_state == "warming":
             self.warmup_status = warmup_text(message.done, message.total, message.what, message.first_run)
             self._update_status()
 
+    @while_open
     def on_warmed_up(self, message: WarmedUp) -> None:
         if self.engine_state != "warming":
             return
@@ -447,6 +391,7 @@ class MtpChatApp(App):
             self.ui("#diagnostics-pane", DiagnosticsPane).show(self.engine_info, message.diagnostics)
         self._update_status()
 
+    @while_open
     def on_engine_load_failed(self, message: EngineLoadFailed) -> None:
         what = message.model or "the default model"
         self._picked_model = None
@@ -479,6 +424,7 @@ class MtpChatApp(App):
                 what = "Plain decoding" if key[0] == "speculation" else key[0]
                 self.notify(f"{what}: {key[1]}", severity="warning", timeout=8)
 
+    @while_open
     def on_reply_started(self, message: ReplyStarted) -> None:
         self.ready_note = ""  # the load-to-ready time is said once
         self._notice_fallbacks(message.fallbacks, ("speculation",))  # before the reply: it will not speculate
@@ -489,6 +435,7 @@ class MtpChatApp(App):
                 request.view.open_reasoning()
             self._update_status()
 
+    @while_open
     def on_history_trimmed(self, message: HistoryTrimmed) -> None:
         """The oldest turns no longer fit the context: say so when more of them are dropped than before."""
         if self._current(message.request_id) is None:
@@ -501,6 +448,7 @@ class MtpChatApp(App):
         self.context_dropped = message.dropped
         self._update_status()
 
+    @while_open
     def on_reply_progress(self, message: ReplyProgress) -> None:
         request = self._current(message.request_id)
         if request is None:
@@ -529,6 +477,7 @@ class MtpChatApp(App):
             request.view.grew()
         self._stats_dirty = True  # shown by _refresh_stats at a few Hz
 
+    @while_open
     async def on_reply_finished(self, message: ReplyFinished) -> None:
         request = self._current(message.request_id)
         if request is None:
@@ -547,6 +496,7 @@ class MtpChatApp(App):
         self._notice_fallbacks(message.fallbacks)  # and what happened during the reply (out of memory: depth lowered)
         await self._end_request(request)
 
+    @while_open
     async def on_reply_failed(self, message: ReplyFailed) -> None:
         request = self._current(message.request_id)
         if request is None:
@@ -567,96 +517,16 @@ class MtpChatApp(App):
             self.last_stats = request.stats
             self._show_stats()
             self._update_status()
-
-    # display ---------------------------------------------------------------------------------------------
-    STATS_REFRESH_S = 0.5  # the timing pane and status line follow a streaming reply at 2 Hz
-
-    def _refresh_stats(self) -> None:
-        if self._stats_dirty and self.chat_screen.is_attached:
-            self._show_stats()
-            self._update_status()
-
-    def _show_stats(self) -> None:
-        side = self.ui("#side", TabbedContent)
-        if not (side.display and side.active == "timing"):
-            return  # hidden: shown when the pane opens (action_pane)
-        self._stats_dirty = False
-        stats = self.request.stats if self.request else self.last_stats
-        self.ui("#timing-pane", TimingPane).show(stats, self.depth)
-
-    def _update_status(self) -> None:
-        parts = []
-        if self.engine_state == "loading":
-            parts.append("loading model…")
-        elif self.engine_state == "failed":
-            parts.append("no model (f5 picks one)")
-        else:
-            parts.append(terminal_safe(self.model_name or ""))
-        parts.append(f"depth {self.depth}")
-        thinking = self.thinking_on()
-        if thinking is not None:  # a model with the switch: what the next reply does (alt+t switches)
-            parts.append("thinking on" if thinking else "thinking off")
-        if self.engine_state == "warming":  # a message sent meanwhile waits in the worker's queue
-            parts.append(self.warmup_status + (" · your message is next" if self.request is not None else ""))
-        elif self.request is not None:
-            tps = self.request.stats.tokens_per_s
-            parts.append("generating…" + (f" {tps:.0f} tok/s" if tps else "") + " (esc stops)")
-        elif self.engine_state == "ready":
-            parts.append(self.ready_note or "ready")
-        parts.append(self._context_meter())
-        self.ui("#status", LiveStatic).show(" · ".join(p for p in parts if p))
-
-    def _context_meter(self) -> str:
-        """'context 12.3k / 262k': the open conversation's tokens (prompt and reply, as last sent) of the loaded
-        model's context; with how many of its oldest messages no longer fit."""
-        limit = (self.engine_diagnostics.get("context") or {}).get("limit") if self.engine_state == "ready" else None
-        if not limit:
-            return ""
-        used = "?" if self.context_used is None else format_tokens(self.context_used)
-        meter = f"context {used} / {format_tokens(limit)}"
-        if self.context_dropped:
-            meter += f" ({self.context_dropped} oldest not sent)"
-        return meter
-
-    def _save_settings(self) -> None:
-        try:
-            save_settings(self.settings)
-        except OSError as exc:
-            self.notify(f"Could not save settings: {exc}", severity="error")
+            if self._quit_code is not None:
+                self.exit(return_code=self._quit_code)
 
     # actions ---------------------------------------------------------------------------------------------
-    MAIN_SCREEN_ACTIONS = {"help", "models", "settings", "export", "new_chat", "conversations", "retry", "pane"}
-
-    def check_action(self, action: str, parameters: tuple) -> bool | None:
-        # dialogs open from the chat screen only (the keys pass through to an open dialog instead)
-        if action in self.MAIN_SCREEN_ACTIONS and isinstance(self.screen, ModalScreen):
-            return False
-        return True
-
-    def action_help(self) -> None:
-        if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
-
     def action_stop(self) -> None:
         if self.request is not None:
             self.worker.submit(Stop())
             self.notify("Stopping…", timeout=2)
-
-    def action_depth(self, depth: int | str) -> None:
-        depth = depth if depth == AUTO else max(0, min(MAX_DEPTH, depth))
-        self.depth = depth
-        self.worker.submit(SetDepth(depth))  # applies to the running reply from its next cycle
-        if self.request is not None:
-            self.request.stats.depth = depth
-        self.settings.depth = depth
-        self._save_settings()
-        self._show_stats()
-        self._update_status()
-
-    def action_depth_step(self, step: int) -> None:
-        """Along auto, 0, 1, .. MAX_DEPTH."""
-        at = DEPTH_ORDER.index(self.depth) if self.depth in DEPTH_ORDER else 0
-        self.action_depth(DEPTH_ORDER[max(0, min(len(DEPTH_ORDER) - 1, at + step))])
+        else:
+            self.cancel_edit()  # esc while editing the last message (alt+e)
 
     async def action_toggle_highlight(self) -> None:
         on = not self.settings.highlight
@@ -668,270 +538,22 @@ class MtpChatApp(App):
             await view.set_highlight(on)
         self.notify("Acceptance highlights on" if on else "Acceptance highlights off", timeout=2)
 
-    def action_toggle_thinking(self) -> None:
-        """Thinking on / off from the next reply (the template's enable_thinking); a model without the switch
-        says why it has none."""
-        switch, reason = self.thinking_switch()
-        if not switch:
-            self.notify(f"Thinking cannot be switched: {reason}", severity="warning", timeout=5)
-            return
-        self.think = self.settings.think = not self.thinking_on()
+    async def action_toggle_markdown(self) -> None:
+        self.settings.markdown = not self.settings.markdown
         self._save_settings()
-        self._update_status()
-        self.notify(f"Thinking {'on' if self.think else 'off'} from the next reply", timeout=2)
+        await self.show_markdown()
+        self.notify("Replies rendered as Markdown" if self.settings.markdown else "Replies shown as plain text",
+                    timeout=2)
+
+    async def show_markdown(self) -> None:
+        """Every reply rendered as the markdown setting says (Markdown, or the plain text)."""
+        for view in self.chat_screen.query(MessageView):
+            await view.set_markdown(self.settings.markdown)
 
     def on_resize(self, event) -> None:
         self._fit_side(event.size.width)  # (the app's own size follows a moment later)
-
-    def _fit_side(self, width: int | None = None) -> None:
-        """The side panel is 46 columns wide: in a narrow terminal it would leave the chat a sliver, so there it
-        stays hidden until asked for (f3 / f4), and comes back when the terminal is wide again."""
-        if getattr(self, "chat_screen", None) is not None:
-            width = self.size.width if width is None else width
-            self.ui("#side").display = self.settings.side_panel and width >= NARROW_COLUMNS
-
-    def action_pane(self, tab: str) -> None:
-        side = self.ui("#side", TabbedContent)
-        if side.display and side.active == tab:
-            side.display = False
-        else:
-            side.display = True
-            side.active = tab
-        self.settings.side_panel = bool(side.display)
-        self._save_settings()
-        self._show_stats()
 
     @on(TabbedContent.TabActivated, "#side")
     def _tab_activated(self) -> None:
         self._show_stats()
 
-    def action_models(self) -> None:
-        def chosen(path: str | None) -> None:
-            if path is None:
-                return
-            if self.request is not None:
-                self.worker.submit(Stop())
-            self._picked_model = path  # remembered in the settings once it has loaded
-            self.worker.submit(SwitchModel(path))
-
-        self.push_screen(ModelPickerScreen(self.model_path or self.model_name, device=self.device), chosen)
-
-    def start_download(self, ref: str, yes: bool = False) -> DownloadJob | None:
-        """A model download (F5 → Download) in a child process: the chat, and a reply in progress, go on."""
-        if self.download is not None and self.download.running:
-            self.notify(f"Already downloading {self.download.ref}", severity="warning")
-            return None
-        self.download = DownloadJob(ref, yes=yes, device=self.device)
-        try:
-            self.download.start(self._download_ended, self.call_from_thread)
-        except OSError as e:
-            self.download.state, self.download.error = "failed", f"could not start the download: {e.strerror}"
-        return self.download
-
-    def _download_ended(self, job: DownloadJob) -> None:
-        """Done: switched to, when the picker is open (the user is choosing a model); else offered."""
-        if job.state == "done" and job.path:
-            if isinstance(self.screen, ModelPickerScreen):
-                self.screen.dismiss(job.path)  # the picker's own path: SwitchModel
-            else:
-                self.notify(f"Downloaded {job.ref}: f5 switches to it")
-        elif job.state == "failed" and not isinstance(self.screen, ModelPickerScreen):
-            self.notify(f"Download of {job.ref} failed: {job.error}", severity="error")
-
-    def action_settings(self) -> None:
-        def chosen(new: Settings | None) -> None:
-            if new is None:
-                return
-            depth_changed = new.depth != self.settings.depth
-            if new.think != self.settings.think:
-                self.think = new.think
-            self.settings = new
-            if depth_changed:
-                self.action_depth(new.depth)
-            self._update_status()
-            self._save_settings()
-            if new.system_prompt != self.conversation.system_prompt:
-                self.conversation.system_prompt = new.system_prompt
-                self.store.set_system_prompt(self.conversation.id, new.system_prompt)
-            self.notify("Settings saved", timeout=2)
-
-        self.push_screen(SettingsScreen(self.settings, self.conversation.system_prompt, self.thinking), chosen)
-
-    def action_export(self) -> None:
-        conv_id = self.conversation.id
-
-        def do_export(directory: Path, formats: list[str]) -> list[Path]:
-            return export_conversation(self.store, conv_id, directory, formats)
-
-        def done(written: list[Path] | None) -> None:
-            if written:
-                names = "\n".join(str(p) for p in written)
-                self.notify(f"Exported:\n{names}", timeout=8)
-
-        self.push_screen(ExportScreen(paths.exports_dir(), do_export), done)
-
-    async def action_new_chat(self) -> None:
-        if self.request is not None:
-            self.worker.submit(Stop())
-        if self.conversation is not None and not self.conversation.messages:
-            self.notify("This chat is already empty", timeout=2)
-            return
-        conv_id = self.store.create_conversation(self.settings.system_prompt, self.model_name)
-        await self.open_conversation(conv_id)
-        self._show_stats()
-
-    def action_conversations(self) -> None:
-        async def chosen(conv_id: int | None) -> None:
-            if conv_id is None or conv_id == self.conversation.id:
-                return
-            if self.request is not None:
-                self.worker.submit(Stop())
-            await self.open_conversation(conv_id)
-
-        self.push_screen(
-            ConversationsScreen(self.store.list_conversations, self.store.delete_conversation,
-                                self.conversation.id),
-            chosen,
-        )
-
-    async def action_retry(self) -> None:
-        if self.request is not None:
-            self.notify("Still generating — esc stops it", severity="warning")
-            return
-        if self.engine_state == "failed":
-            self.notify("No model is loaded — pick one with f5", severity="error")
-            return
-        messages = self.conversation.messages
-        if not messages:
-            return
-        if messages[-1].role == "assistant":
-            last = messages.pop()
-            self._saved(self.store.delete_message, last.id)
-            views = self.chat_screen.query(MessageView)
-            if views and views.last().message.id == last.id:
-                await views.last().remove()
-        if messages and messages[-1].role == "user":
-            await self.generate()
-
-    def action_copy_last(self) -> None:
-        for message in reversed(self.conversation.messages):
-            if message.role == "assistant" and message.content:
-                self.copy_to_clipboard(message.content)
-                self.notify(f"Copied the last reply ({len(message.content)} characters)", timeout=3)
-                return
-        self.notify("No reply to copy yet", severity="warning")
-
-    def action_copy_code(self) -> None:
-        """Copy the last fenced code block of the conversation (what people usually want from a reply)."""
-        import re
-
-        for message in reversed(self.conversation.messages):
-            blocks = re.findall(r"```[^\n]*\n(.*?)```", message.content or "", flags=re.S)
-            if message.role == "assistant" and blocks:
-                self.copy_to_clipboard(blocks[-1])
-                self.notify(f"Copied a code block ({len(blocks[-1])} characters)", timeout=3)
-                return
-        self.notify("No code block to copy", severity="warning")
-
-    # command palette -------------------------------------------------------------------------------------
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
-        yield SystemCommand("Depth auto", "Speculation depth chosen per cycle (expected tokens per second)",
-                            lambda: self.action_depth(AUTO))
-        for depth in range(DEPTH_KEYS + 1):
-            label = "plain decoding" if depth == 0 else f"{depth} MTP draft token{'s' * (depth > 1)} per cycle"
-            yield SystemCommand(f"Depth {depth}", f"Speculation depth {depth}: {label}",
-                                lambda d=depth: self.action_depth(d))
-        switch, reason = self.thinking_switch()
-        yield SystemCommand("Toggle thinking", "Reasoning on / off from the next reply (alt+t)" if switch
-                            else f"Unavailable: {reason}", self.action_toggle_thinking)
-        yield SystemCommand("Toggle acceptance highlights", "Mark tokens that came from accepted MTP drafts",
-                            self.action_toggle_highlight)
-        yield SystemCommand("Timing pane", "Per-phase times, tokens/s, acceptance",
-                            lambda: self.action_pane("timing"))
-        yield SystemCommand("Diagnostics pane", "Device, dtype, backends, fallbacks",
-                            lambda: self.action_pane("diagnostics"))
-        yield SystemCommand("Models", "Pick and load another model", self.action_models)
-        yield SystemCommand("Settings", "System prompt, sampling, max tokens", self.action_settings)
-        yield SystemCommand("Export", "Transcript (Markdown, JSON) and timing log (CSV, JSONL)",
-                            self.action_export)
-        yield SystemCommand("New chat", "Start a new conversation", self.action_new_chat)
-        yield SystemCommand("Open conversation", "Reopen a past conversation", self.action_conversations)
-        yield SystemCommand("Retry", "Generate the last reply again", self.action_retry)
-        yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard", self.action_copy_last)
-        yield SystemCommand("Copy last code block", "Copy the last fenced code block", self.action_copy_code)
-        yield SystemCommand("Stop", "Stop generating", self.action_stop)
-        yield SystemCommand("Help", "Keys and what they do", self.action_help)
-
-
-def is_demo(path: str) -> bool:
-    from engine import EMBEDDED_DIR
-
-    return os.path.realpath(path) == os.path.realpath(EMBEDDED_DIR)
-
-
-def warmup_text(done: int, total: int | None, what: str, first_run: bool) -> str:
-    """The status line during a warm-up: 'preparing kernels 3/9 · depth 1: first prompt', and on the first run
-    on a machine why it takes long."""
-    text = f"preparing kernels {done}/{total}" if total else "preparing kernels…"
-    if what:
-        text += f" · {what}"
-    if first_run:
-        text += " (first run on this machine: compiling kernels once)"
-    return text
-
-
-def conversation_tokens(messages) -> int | None:
-    """The tokens a conversation took when its last reply was made (its prompt and the reply, from the reply's
-    stats): 0 for an empty one, None when no finished reply says."""
-    if not messages:
-        return 0
-    for m in reversed(messages):
-        if m.role == "assistant" and m.stats:
-            prompt, generated = m.stats.get("prompt_tokens"), m.stats.get("generated_tokens")
-            if isinstance(prompt, int) and isinstance(generated, int):
-                return prompt + generated
-    return None
-
-
-def reserve_ui_core() -> None:
-    """Leave one CPU core to the UI thread: torch's intra-op threads busy-wait, and when they take every core
-    the UI thread and they slow each other down badly (measured on 2 cores: the tiny test model decoded at
-    ~10 tok/s with 2 torch threads under load, ~190 tok/s with 1). Respects an explicit OMP_NUM_THREADS."""
-    cores = os.cpu_count() or 1
-    if cores < 2 or "OMP_NUM_THREADS" in os.environ:
-        return
-    torch = sys.modules.get("torch")  # already imported by the caller: adjust it; else set the env var early
-    if torch is not None:
-        if torch.get_num_threads() >= cores:
-            torch.set_num_threads(cores - 1)
-    else:
-        os.environ["OMP_NUM_THREADS"] = str(cores - 1)
-
-
-def run_tui(model: str | None = None, depth: int | None = None, device: str | None = None,
-            dtype: str | None = None, tp: int = 1, max_context: int | None = None, think: bool | None = None) -> int:
-    """Run the TUI until the user quits; returns the exit status."""
-    reserve_ui_core()
-    try:  # tracebacks of failed loads and requests go to a file (the terminal belongs to the UI)
-        paths.data_dir().mkdir(parents=True, exist_ok=True)
-        logging.basicConfig(filename=paths.log_path(), level=logging.INFO,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    except OSError:
-        pass
-    loader = partial(default_loader, max_context=max_context)  # --max-context: every model the chat loads
-    if tp > 1:  # rank 0 (this process) owns the UI; tp - 1 follower processes run the same cycles
-        from multiprocessing import resource_tracker
-
-        from engine import tp_loader
-
-        # start multiprocessing's helper while the real stdio is still ours: spawning it from inside the
-        # running app fails (Textual has replaced stderr)
-        resource_tracker.ensure_running()
-        loader = tp_loader(tp, max_context)
-    # no warm-up under --tp: Engine.warm_up would run on rank 0 alone, and its collectives would wait for the
-    # followers forever (the chat's requests reach them through TPLeader.chat)
-    app = MtpChatApp(model=model, depth=depth, device=device, dtype=dtype, loader=loader,
-                     warm_up=False if tp > 1 else None, think=think)
-    app.run()
-    return app.return_code or 0

@@ -18,7 +18,7 @@ def home(tmp_path, monkeypatch):
     (one core left to the UI thread), restored afterwards."""
     import torch
 
-    from app.tui import reserve_ui_core
+    from app.launch import reserve_ui_core
 
     monkeypatch.setenv("MTPCHAT_HOME", str(tmp_path / "home"))
     threads = torch.get_num_threads()

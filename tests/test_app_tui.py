@@ -22,7 +22,7 @@ from app.store import Store
 from app.transcript import DRAFT_STYLE, MessageView, PromptInput, visible
 from app.tui import MtpChatApp
 
-SIZE = (110, 36)
+SIZE = (130, 36)  # the side panel beside the chat (from 120 columns)
 DEMO = Path(__file__).resolve().parents[1] / "engine" / "assets" / "demo"
 
 
@@ -32,7 +32,7 @@ def model(ckpt) -> str:
 
 
 def draft_spans(view: MessageView) -> list:
-    content = view.query_one(".reply-highlight", Static).visual
+    content = view.shown_answer()
     return [s for s in content.spans if s.style == DRAFT_STYLE]
 
 
@@ -83,8 +83,8 @@ async def test_accepted_drafts_are_highlighted_live_and_after_reopen(home):
         assert "draft" in reply.sources and draft_spans(view)
         spans = [(s.start, s.end) for s in draft_spans(view)]
         assert app.query_one("#legend-draft").display
-        await pilot.press("f2")  # off: Markdown, no spans shown
-        assert not view.query_one(".reply-highlight").display and view.query_one(".reply-markdown").display
+        await pilot.press("f2")  # off: still Markdown, no spans shown
+        assert view.query_one(".reply-markdown").display and not draft_spans(view)
         await pilot.press("f2")
     app2 = MtpChatApp(model=str(DEMO))
     async with app2.run_test(size=SIZE) as pilot:
@@ -105,7 +105,7 @@ async def test_highlighting_uses_the_engines_token_pieces(home):
         reply = await wait_reply(pilot, app)
         assert reply.pieces == pieces and reply.content == "Hi 世!"
         view = app.query(MessageView).last()
-        assert view.query_one(".reply-highlight", Static).visual.plain == "Hi 世!"
+        assert view.shown_answer().plain == "Hi 世!"
         assert [(s.start, s.end) for s in draft_spans(view)] == [(3, 5)]  # "世!"
     assert Store().load_conversation(app.conversation.id).messages[1].pieces == pieces
 
@@ -122,10 +122,10 @@ async def test_escape_sequences_in_replies_titles_and_names_never_reach_the_term
         await send(pilot, app, prompt)
         reply = await wait_reply(pilot, app)
         view = app.query(MessageView).last()
-        shown = view.query_one(".reply-highlight", Static).visual.plain
+        shown = view.shown_answer().plain
         assert shown == "Sure ␛]0;pwned␇␛]52;c;aGk=␇ done" and not raw_controls(shown)
         assert [shown[s.start : s.end] for s in draft_spans(view)] == [" ␛]0;pwned␇"]  # on the text shown
-        await pilot.press("f2")  # the Markdown view
+        await pilot.press("f2")  # highlights off: the Markdown holds the same text
         await pilot.pause()
         assert view.query_one(".reply-markdown", Markdown).source == shown
         assert app.sub_title == "evilmodel — Hi there" and not raw_controls(app.title)
@@ -166,13 +166,15 @@ async def test_depth_change_mid_reply_reaches_the_next_cycles(home, model):
         await pilot.pause(0.1)
         view = app.query(MessageView).last()
         assert app.request is not None and view.streaming
-        assert str(view.query_one(".reply-highlight", Static).visual)  # rendered while streaming
+        assert view.shown_answer().plain  # rendered while streaming
+        assert "(last cycle: 3)" in str(app.query_one("#timing-depth", Static).visual)
         await pilot.press("escape")
         reply = await wait_reply(pilot, app)
         rows = Store().cycles(app.conversation.id)
         assert all(r.depth == 2 for r in rows[:seen_before])
         assert any(r.depth == 3 for r in rows[seen_before:]), [r.depth for r in rows]
-        assert reply.stats["depth"] == 3 and "(last cycle: 3)" in str(app.query_one("#timing-depth", Static).visual)
+        # a finished reply's last cycle may be shorter than its depth (the token limit): not shown as its depth
+        assert reply.stats["depth"] == 3 and "last cycle" not in str(app.query_one("#timing-depth", Static).visual)
         assert app.settings.depth == 3  # remembered
 
 
@@ -256,7 +258,7 @@ async def test_restart_reopens_the_conversation_and_the_draft(home, model):
         assert app2.theme == "mtp-dusk"  # the theme is remembered
         await pilot.press("ctrl+n")
         assert list(app2.query(MessageView)) == []
-        assert len(app2.store.list_conversations()) == 2
+        assert len(app2.store.list_conversations(include_empty=True)) == 2  # (the new, empty one is not listed)
 
 
 @run_async
@@ -557,23 +559,128 @@ async def test_a_failed_warm_up_is_a_notice_and_the_model_stays_usable(home):
 
 @run_async
 async def test_a_narrow_terminal_hides_the_side_panel_until_asked(home, model):
-    """At 60 columns the 46-column side panel would leave the chat a sliver: hidden, f3 still opens it, and a
-    wide terminal shows it again."""
+    """At 60 columns the 46-column side panel would leave the chat a sliver: a one-line summary instead, f3 shows
+    the panel in the chat's place (not saved as a choice), and a wide terminal shows it beside the chat again
+    unless the user closed it there."""
     app = MtpChatApp(model=model)
     async with app.run_test(size=(60, 20)) as pilot:
         await wait_loaded(pilot, app)
-        side = app.query_one("#side")
+        side, chat = app.query_one("#side"), app.query_one("#chat")
         assert not side.display and app.query_one("#transcript").size.width > 40
+        assert app.query_one("#side-summary").display
         await pilot.press("f3")
-        assert side.display
+        assert side.display and not chat.display
         await pilot.press("f3")
+        assert chat.display and not side.display
         await pilot.resize_terminal(140, 40)
         await pilot.pause()
-        assert not side.display  # (closed by the user: stays closed)
-        await pilot.press("f3")
+        assert side.display and chat.display
+        await pilot.press("f3")  # closed by the user where it fits: stays closed
         await pilot.resize_terminal(60, 20)
         await pilot.pause()
-        assert not side.display
         await pilot.resize_terminal(140, 40)
         await pilot.pause()
+        assert not side.display and app.settings.side_panel is False
+        await pilot.press("f3")
         assert side.display
+
+
+@run_async
+async def test_finish_reasons_show_and_ctrl_q_mid_reply_saves_the_stats(home, model):
+    write_settings(max_new_tokens=6, depth=2, ignore_eos=True)
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        await send(pilot, app, "Hello")
+        cut = await wait_reply(pilot, app)
+        footer = str(app.query(MessageView).last().query_one(".message-footer", Static).visual)
+        assert cut.finish_reason == "length" and "cut off at the token limit" in footer, footer
+        app.settings.max_new_tokens = 5000  # runs until stopped
+        await send(pilot, app, "Tell me a story about a cat.")
+        await wait_until(pilot, lambda: app.request and app.request.stats.cycles >= 2, 20, "cycles")
+        await pilot.press("ctrl+q")
+        await wait_until(pilot, lambda: app.request is None, 5, "the reply to be stopped")
+        assert "stopped by you" in str(app.query(MessageView).last().query_one(".message-footer", Static).visual)
+    assert app.return_code == 0
+    saved = Store().load_conversation(app.conversation.id).messages[-1]
+    assert saved.status == "stopped" and saved.finish_reason == "stop"
+    assert saved.stats["cycles"] >= 2 and saved.stats["depth"] == 2 and saved.stats["tokens_per_s"] > 0
+
+
+@run_async
+async def test_small_terminals_and_resizes_mid_reply(home, model):
+    """Below 120 columns the side panel gives way to a one-line summary (f3 / f4 show it in the chat's place);
+    down to 20x8, and resized while a reply streams, nothing breaks (at 50 columns the prompt's placeholder was
+    once wrapped at width 0: a ValueError)."""
+    write_settings(max_new_tokens=5000, depth=2, ignore_eos=True)  # runs until stopped
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_loaded(pilot, app)
+        side, chat, summary = app.query_one("#side"), app.query_one("#chat"), app.query_one("#side-summary")
+        assert side.display and not summary.display
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause()
+        assert not side.display and summary.display and "no reply yet" in str(summary.visual)
+        await send(pilot, app, "Tell me a story about a cat.")
+        await wait_until(pilot, lambda: app.request and app.request.stats.cycles >= 1, 20, "a cycle")
+        for size in [(50, 20), (20, 8), (120, 30), (45, 15)]:
+            await pilot.resize_terminal(*size)
+            await pilot.pause(0.1)
+            assert side.display == (size[0] >= 120) and summary.display == (size[0] < 120), size
+        assert app.request is not None  # still streaming, at every size
+        await pilot.press("f3")  # narrow: the panel in the chat's place
+        await pilot.pause()
+        assert side.display and not chat.display and side.active == "timing"
+        await pilot.press("f3")
+        await pilot.pause()
+        assert chat.display and not side.display and app.focused is app.query_one("#prompt")
+        await pilot.press("escape")
+        await wait_reply(pilot, app)
+        await wait_until(pilot, lambda: "last reply" in str(summary.visual), 5, "the summary")
+        assert "tok/s" in str(summary.visual) and "accepted" in str(summary.visual)
+        await pilot.resize_terminal(20, 8)
+        for key in ("f1", "f6", "f5"):  # the dialogs fit too
+            await pilot.press(key)
+            await pilot.pause(0.3)
+            assert app.screen is not app.chat_screen, key
+            await pilot.press("escape")
+            await pilot.pause(0.1)
+        await pilot.resize_terminal(160, 48)
+        await pilot.pause()
+        assert side.display and chat.display and not summary.display
+
+
+@run_async
+async def test_quit_while_a_model_switch_loads(home, model, ckpt):
+    """The worker's messages of a load that outlives the chat screen are dropped (once a NoMatches
+    ('#diagnostics-pane') at teardown)."""
+    from app.worker import SwitchModel
+
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        app.worker.submit(SwitchModel(str(ckpt("q35"))))
+        await wait_until(pilot, lambda: app.engine_state == "loading", 10, "the switch to start")
+        await pilot.press("ctrl+q")
+    assert app.return_code == 0
+
+
+@run_async
+async def test_the_pickers_download_tab_is_reachable_by_keyboard(home, model):
+    from textual.widgets import TabbedContent
+
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        await pilot.press("f5")
+        await pilot.pause()
+        picker = app.screen
+        tabs = picker.query_one("#models-tabs", TabbedContent)
+        assert isinstance(picker, ModelPickerScreen) and tabs.active == "tab-installed"
+        await pilot.press("f9")
+        await pilot.pause()
+        assert tabs.active == "tab-download" and picker.focused is picker.query_one("#catalogue-table")
+        await pilot.press("ctrl+pageup")
+        await pilot.pause()
+        assert tabs.active == "tab-installed" and picker.focused is picker.query_one("#models-table")
+        assert "f9 switches" in str(picker.query_one("#models-keys", Label).visual)

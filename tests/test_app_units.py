@@ -160,7 +160,7 @@ def test_export_writes_all_formats(home, tmp_path):
 
     rows = list(csv.DictReader(io.StringIO(by_ext["csv"].read_text())))
     assert [r["cycle"] for r in rows] == ["0", "1"]
-    assert rows[0]["accepted_per_position"] == "10" and float(rows[0]["verify_ms"]) == 1.5
+    assert rows[0]["accepted_per_position"] == "AR" and float(rows[0]["verify_ms"]) == 1.5
     assert rows[0]["x_ms"] == "" and rows[1]["x_ms"] == "1.0000"  # extra phases get their own column
 
     lines = [json.loads(line) for line in by_ext["jsonl"].read_text().splitlines()]
@@ -219,3 +219,49 @@ def test_timing_grid_aligns_columns():
     content = grid([["verify", "12.50", "3%"], ["commit", "0.20", "45%"]], right={1, 2})
     assert content.plain.splitlines() == ["verify 12.50  3%", "commit  0.20 45%"]
     assert (human_count(270504), human_count(80e9), human_count(None)) == ("270.5K", "80.0B", "—")
+
+
+def test_copy_goes_to_the_first_clipboard_tool_that_takes_it(tmp_path, monkeypatch):
+    """A real child process per tool, fed on stdin (here small scripts stand in for wl-copy / xclip: neither runs
+    without a display); none present or none working: None, and the app says the text went to OSC 52 only."""
+    from app.clipboard import copy_with_tool
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("WAYLAND_DISPLAY", "wayland-0")
+    monkeypatch.setenv("DISPLAY", ":0")
+    assert copy_with_tool("nothing here") is None
+    wl = bin_dir / "wl-copy"
+    wl.write_text("#!/bin/sh\nexit 1\n")  # present but failing (no compositor): the next tool is tried
+    xclip = bin_dir / "xclip"
+    xclip.write_text(f"#!/bin/sh\n[ \"$1 $2\" = '-selection clipboard' ] && /bin/cat > '{tmp_path}/xclip.out'\n")
+    for tool in (wl, xclip):
+        tool.chmod(0o755)
+    assert copy_with_tool("héllo\nworld") == "xclip"
+    assert (tmp_path / "xclip.out").read_text() == "héllo\nworld"
+    monkeypatch.delenv("DISPLAY")  # over ssh: no X display, so no X tool
+    assert copy_with_tool("x") is None
+
+
+def test_the_demo_model_has_one_name_and_one_parameter_count():
+    """The status line (the engine's info), the picker and `models` (discovery) and the README say the same."""
+    from pathlib import Path
+
+    from app.panes import human_count
+    from engine import EMBEDDED_DIR, discover, load_engine
+
+    found = discover([], include_hf_cache=False, include_embedded=True, include_env=False)
+    demo = next(c for c in found if c.source == "embedded")
+    info = load_engine(str(EMBEDDED_DIR)).info
+    assert info.name == demo.name == "mtpchat-demo"
+    assert info.params == demo.params
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f"a {human_count(demo.params)}-parameter" in readme, human_count(demo.params)
+
+
+def test_the_diagnostics_say_whose_threads_they_count():
+    from app.panes import threads_text
+
+    assert threads_text(1, 2) == "1 of 2 CPUs (one left to the UI)"
+    assert threads_text(4, 4) == "4 of 4 CPUs" and threads_text(3, None) == "3"

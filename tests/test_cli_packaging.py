@@ -43,3 +43,25 @@ def test_man_page_is_generated_from_the_parser(tmp_path):
         return [line for line in text.splitlines() if not line.startswith(".TH ")]
 
     assert body((tmp_path / "m.1").read_text()) == body(committed)
+
+
+def test_completions_are_generated_from_the_parser(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "packaging" / "completions.py"), "--out", str(tmp_path)], check=True,
+                   cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    for name in ("mtpchat.bash", "_mtpchat"):
+        assert (tmp_path / name).read_text() == (ROOT / "packaging" / "completions" / name).read_text(), name
+
+
+def test_version_and_run_help_say_defaults_and_ranges():
+    from importlib import metadata
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                              timeout=60)
+
+    out = cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"mtpchat {metadata.version('mtpchat')}"
+    text = " ".join(cli("run", "--help").stdout.split())  # unwrapped
+    for said in ("--max-new-tokens N at most N new tokens (1 .. 1,000,000", "(default: 256)", "0 .. 16",
+                 "(default: 2)", ">= 0 (0 = greedy", "(default: 0.0)", "in (0, 1]", "(default: 1.0)"):
+        assert said in text, said

@@ -25,7 +25,7 @@ from app.store import Store
 from app.transcript import DRAFT_STYLE, MessageView
 from app.tui import MtpChatApp
 
-SIZE = (110, 40)
+SIZE = (130, 40)  # the side panel (timing) beside the chat: from 120 columns
 REASONING = ["The user", " greets", " me", ".\n"]
 ANSWER = ["\n\n", "Hello", " there", "!"]
 
@@ -66,12 +66,12 @@ async def test_the_thinking_block_streams_expanded_then_collapses_with_its_numbe
         # the answer started: the block collapsed; the engine's numbers in its title
         assert block.collapsed and title_of(block) == "thinking · 5 tokens · 4.1 s"
         assert reply.content == "".join(ANSWER) and reply.reasoning == "".join(REASONING)
-        assert view.query_one(".reply-highlight", Static).visual.plain == "Hello there!"
+        assert view.shown_answer().plain == "Hello there!"
         # the timing pane: tokens/s and acceptance of each part
         parts = str(app.query_one("#timing-parts", Static).visual)
         assert "reasoning" in parts and "30.0" in parts and "answer" in parts and "60.0" in parts
         assert app.query_one("#timing-parts").display
-        await pilot.press("f2")  # Markdown mode: the answer alone in the Markdown, the reasoning plain text
+        await pilot.press("f2")  # highlights off: the answer alone in the Markdown, the reasoning plain text
         await pilot.pause()
         assert view.query_one(".reply-markdown", Markdown).source == "Hello there!"
         assert reasoning_shown(view).visual.plain == "The user greets me."
@@ -222,7 +222,7 @@ async def test_tool_calls_render_as_collapsed_blocks_and_are_not_run(home):
         assert len(blocks) == 1 and blocks[0].collapsed
         assert title_of(blocks[0]) == "tool call · get_weather · not run"
         assert str(blocks[0].query_one(".tool-call-body", Static).visual) == "city: Paris\ndays: 3"
-        assert view.query_one(".reply-highlight", Static).visual.plain == "Let me check."
+        assert view.shown_answer().plain == "Let me check."
         assert call in reply.content  # stored as written
 
 
