@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import EngineError
+from .modules import child, plain_linear
 from .families import PER_EXPERT
 
 BLOCK = 128
@@ -204,8 +205,8 @@ def quantize_experts(model: nn.Module) -> int:
         experts.gate_up_proj_scale_inv = s.flatten(-3, -2)
         q, s = quantize(module.down_proj)
         experts.down_proj, experts.down_proj_scale_inv = nn.Parameter(q, requires_grad=False), s
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, experts)
+        owner, attr, _ = child(model, name)
+        setattr(owner, attr, experts)
         count += 1
     return count
 
@@ -223,8 +224,8 @@ def quantize_linears(model: nn.Module) -> int:
         q, s = quantize(lin.weight)
         fp8.weight = nn.Parameter(q, requires_grad=False)
         fp8.weight_scale_inv = s
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, fp8)
+        owner, attr, _ = child(model, name)
+        setattr(owner, attr, fp8)
         count += 1
     return count
 
@@ -320,12 +321,7 @@ def _check_scale(where: str, key: str, weight: torch.Tensor, scale: torch.Tensor
 def _install_experts(model: nn.Module, prefix: str) -> bool:
     """Make the fused experts module at `prefix` an FP8Experts on the meta device (once); False where there is
     none (then the caller dequantizes, and the state-dict checks judge the result)."""
-    parent, _, name = prefix.rpartition(".")
-    try:
-        owner = model.get_submodule(parent) if parent else model
-    except AttributeError:
-        return False
-    experts = getattr(owner, name, None)
+    owner, name, experts = child(model, prefix)
     if isinstance(experts, FP8Experts):
         return True
     if experts is None or not stacked_experts(experts):
@@ -337,13 +333,8 @@ def _install_experts(model: nn.Module, prefix: str) -> bool:
 def _install(model: nn.Module, base: str, weight: torch.Tensor) -> bool:
     """Replace the nn.Linear at `base` by an FP8Linear on the meta device; False where `base` is not a bias-free
     Linear of the weight's shape (then the caller dequantizes, and the state-dict checks judge the result)."""
-    parent, _, name = base.rpartition(".")
-    try:
-        owner = model.get_submodule(parent) if parent else model
-    except AttributeError:
-        return False
-    lin = getattr(owner, name, None)
-    if type(lin) is not nn.Linear or lin.bias is not None or tuple(lin.weight.shape) != tuple(weight.shape):
+    owner, name, lin = child(model, base)
+    if not plain_linear(lin, weight.shape):
         return False
     setattr(owner, name, FP8Linear(lin.in_features, lin.out_features, device="meta"))
     return True

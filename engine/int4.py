@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import EngineError
+from .modules import child, plain_linear
 
 METHODS = ("gptq", "awq")
 BITS = 4
@@ -297,9 +298,8 @@ def quantize_linears(model: nn.Module, group_size: int = 128) -> int:
         scales = (w.abs().amax(-1) * (2 / 15)).clamp_min(1e-8).half()  # [N, G]
         q = (w / scales.float().unsqueeze(-1)).round().add_(8).clamp_(0, 15).to(torch.uint8).view(n, k)
         zeros = torch.full((k // group_size, n), 8, dtype=torch.uint8, device=w.device)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child,
-                Int4Linear(k, n, pack_rows(q.T), zeros, scales.T.contiguous(), group_size))
+        owner, attr, _ = child(model, name)
+        setattr(owner, attr, Int4Linear(k, n, pack_rows(q.T), zeros, scales.T.contiguous(), group_size))
         count += 1
     return count
 
@@ -459,13 +459,8 @@ def adopt(model: nn.Module, sd: dict[str, torch.Tensor], sch: Scheme, dtype: tor
 def _install(model: nn.Module, base: str, p: Packed) -> bool:
     """Replace the meta nn.Linear at `base` by an Int4Linear holding p; False where `base` is not a bias-free
     Linear of p's shape (the caller dequantizes, and the state-dict checks judge the result)."""
-    parent, _, name = base.rpartition(".")
-    try:
-        owner = model.get_submodule(parent) if parent else model
-    except AttributeError:
-        return False
-    lin = getattr(owner, name, None)
-    if type(lin) is not nn.Linear or lin.bias is not None or tuple(lin.weight.shape) != (p.n, p.k):
+    owner, name, lin = child(model, base)
+    if not plain_linear(lin, (p.n, p.k)):
         return False
     setattr(owner, name, Int4Linear(p.k, p.n, p.qweight, p.zeros, p.scales, p.group_size, p.perm))
     return True

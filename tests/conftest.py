@@ -7,7 +7,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from fixtures import write_checkpoint  # noqa: E402
+from fixtures import memo, write_checkpoint  # noqa: E402
 
 # One intra-op thread: the tiny models' ops are small, and on CPU cores shared with other work torch's threads
 # busy-wait for each other (measured here: a sampled 6-token reply 31 ms with 1 thread, 610 ms with 2).
@@ -31,29 +31,18 @@ EXTRA = {
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory):
     """ckpt(name) -> path of a tiny checkpoint, written once per session."""
-    made = {}
+    def write(name):
+        family, opts = {**FIXTURES, **EXTRA}[name]
+        return write_checkpoint(tmp_path_factory.mktemp(name), family, **opts)
 
-    def get(name):
-        if name not in made:
-            family, opts = {**FIXTURES, **EXTRA}[name]
-            made[name] = write_checkpoint(tmp_path_factory.mktemp(name), family, **opts)
-        return made[name]
-
-    return get
+    return memo(write)
 
 
 @pytest.fixture(scope="session")
 def engines(ckpt):
     from engine import load_engine
 
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = load_engine(str(ckpt(name)))
-        return cache[name]
-
-    return get
+    return memo(lambda name: load_engine(str(ckpt(name))))
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,18 @@ VOCAB = 384
 
 
 @lru_cache(maxsize=2)
+def memo(make):
+    """get(name) -> make(name), made once per name: the fixtures' checkpoint writers and engine caches."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = make(name)
+        return made[name]
+
+    return get
+
+
 def tokenizer_files(thinking: bool = False) -> dict[str, str]:
     """Train a small byte-level BPE once per process; return file name -> content. thinking: with Qwen's <think>
     markers as added (non-special) tokens and a Qwen3.5-style thinking template."""

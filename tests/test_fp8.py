@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from engine import fp8, load_engine
 from engine.errors import EngineError
 from engine.model import load
-from fixtures import write_checkpoint, write_fp8_checkpoint
+from fixtures import memo, write_checkpoint, write_fp8_checkpoint
 from test_exactness import PROMPTS, assert_speculation_equals_plain, decode
 
 # hidden 128, every projection's N a multiple of 128: whole blocks, the fused FP8 projections concatenate
@@ -46,14 +46,7 @@ def fp8_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp8_engine(fp8_ckpt):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = load_engine(str(fp8_ckpt(name)[0]))
-        return cache[name]
-
-    return get
+    return memo(lambda name: load_engine(str(fp8_ckpt(name)[0])))
 
 
 def test_dequantize_is_blockwise_with_partial_edge_blocks():

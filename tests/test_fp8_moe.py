@@ -13,7 +13,7 @@ from engine import fp8, load_engine
 from engine.discovery import SAFETENSORS_DTYPES, _numel, estimate_memory, inspect_model
 from engine.environment import DeviceInfo
 from engine.model import MOE_ROWWISE_MAX_TOKENS, load, moe_grouped, moe_rowwise
-from fixtures import _split_experts, write_checkpoint, write_fp8_checkpoint
+from fixtures import _split_experts, memo, write_checkpoint, write_fp8_checkpoint
 from test_exactness import PROMPTS, assert_speculation_equals_plain, decode
 
 # name -> (family, options). next_moe: I = 32, H = 64: one partial block per matrix, and gate / up keep a scale
@@ -46,14 +46,7 @@ def fp8_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp8_engine(fp8_ckpt):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = load_engine(str(fp8_ckpt(name)[0]))
-        return cache[name]
-
-    return get
+    return memo(lambda name: load_engine(str(fp8_ckpt(name)[0])))
 
 
 def moe_blocks(engine):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from engine import int4, load_engine
 from engine.errors import EngineError
 from engine.model import load
-from fixtures import write_checkpoint, write_fp8_checkpoint
+from fixtures import memo, write_checkpoint, write_fp8_checkpoint
 from int4_fixtures import (awq_config, dequantize, gptq_config, pack_along_k, pack_along_n, quantize,
                            write_int4_checkpoint)
 from test_exactness import PROMPTS, assert_speculation_equals_plain, decode
@@ -74,14 +74,7 @@ def int4_ckpt(tmp_path_factory, sources):
 
 @pytest.fixture(scope="module")
 def int4_engine(int4_ckpt):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = load_engine(str(int4_ckpt(name)[0]))
-        return cache[name]
-
-    return get
+    return memo(lambda name: load_engine(str(int4_ckpt(name)[0])))
 
 
 # --- the layouts -------------------------------------------------------------------------------------------------
