@@ -450,6 +450,15 @@ def oom_on_the_second_verify(forward):
 # What Qwen's FP8 releases leave unquantized: engine.fp8.NOT_CONVERTED (FP8_NOT_CONVERTED here; the bench's
 # random-weight FP8 models use the same list).
 
+def rewrite_index(folder: Path) -> None:
+    """A sharded checkpoint's index, after its shards were rewritten: each tensor's file, as the shards now hold."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k: f.name for f in _files(folder) for k in load_file(f)}
+        index.write_text(json.dumps(data, indent=2))
+
+
 def write_fp8_checkpoint(src: Path, dst: Path, twin: Path) -> tuple[Path, Path]:
     """Convert the checkpoint at src into Qwen's FP8 layout at dst (each eligible linear weight quantized per
     128x128 block: `*.weight` float8_e4m3fn, `*.weight_scale_inv` float32, and the quantization_config), and
@@ -469,11 +478,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, twin: Path) -> tuple[Path, Path]:
                 fp8[k] = plain[k] = v
         save_file(fp8, dst / f.name, metadata={"format": "pt"})
         save_file(plain, twin / f.name, metadata={"format": "pt"})
-    index = dst / "model.safetensors.index.json"
-    if index.exists():
-        data = json.loads(index.read_text())
-        data["weight_map"] = {k: f.name for f in _files(dst) for k in load_file(f)}
-        index.write_text(json.dumps(data, indent=2))
+    rewrite_index(dst)
     conf = json.loads((dst / "config.json").read_text())
     conf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                    "weight_block_size": [128, 128], "modules_to_not_convert": FP8_NOT_CONVERTED}

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from fixtures import _files
+from fixtures import _files, rewrite_index
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column AWQ_PACK_ORDER[i] of its 8
 # What the community Qwen3.5 GPTQ / AWQ releases leave in bf16 (their model cards and dynamic rules): embeddings,
@@ -152,11 +152,7 @@ def write_int4_checkpoint(src: Path, dst: Path, twin: Path, config: dict, skip: 
         save_file(packed, dst / f.name, metadata={"format": "pt"})
         save_file(plain, twin / f.name, metadata={"format": "pt"})
     for out in (dst, twin):
-        index = out / "model.safetensors.index.json"
-        if index.exists():
-            data = json.loads(index.read_text())
-            data["weight_map"] = {k: f.name for f in _files(out) for k in load_file(f)}
-            index.write_text(json.dumps(data, indent=2))
+        rewrite_index(out)
     conf = json.loads((dst / "config.json").read_text())
     conf["quantization_config"] = config
     (dst / "config.json").write_text(json.dumps(conf, indent=2))

@@ -31,17 +31,12 @@ FP8_FIXTURES = {
 @pytest.fixture(scope="module")
 def fp8_ckpt(tmp_path_factory):
     """fp8_ckpt(name) -> (FP8 checkpoint, its dequantized float32 twin), written once per module."""
-    made = {}
+    def write(name):
+        family, opts = FP8_FIXTURES[name]
+        root = tmp_path_factory.mktemp(f"fp8_{name}")
+        return write_fp8_checkpoint(write_checkpoint(root / "src", family, **opts), root / "fp8", root / "twin")
 
-    def get(name):
-        if name not in made:
-            family, opts = FP8_FIXTURES[name]
-            root = tmp_path_factory.mktemp(f"fp8_{name}")
-            src = write_checkpoint(root / "src", family, **opts)
-            made[name] = write_fp8_checkpoint(src, root / "fp8", root / "twin")
-        return made[name]
-
-    return get
+    return memo(write)
 
 
 @pytest.fixture(scope="module")

@@ -30,18 +30,14 @@ BIG_CPU = DeviceInfo(kind="cpu", name="roomy", total_bytes=1 << 40, free_bytes=1
 @pytest.fixture(scope="module")
 def fp8_ckpt(tmp_path_factory):
     """fp8_ckpt(name) -> (FP8 checkpoint, its dequantized float32 twin), written once per module."""
-    made = {}
+    def write(name):
+        family, opts = FIXTURES[name]
+        root = tmp_path_factory.mktemp(f"fp8_{name}")
+        src = write_checkpoint(root / "src", family, **opts)
+        _split_experts(src)  # the MTP head's experts too, one by one, as in Qwen's releases
+        return write_fp8_checkpoint(src, root / "fp8", root / "twin")
 
-    def get(name):
-        if name not in made:
-            family, opts = FIXTURES[name]
-            root = tmp_path_factory.mktemp(f"fp8_{name}")
-            src = write_checkpoint(root / "src", family, **opts)
-            _split_experts(src)  # the MTP head's experts too, one by one, as in Qwen's releases
-            made[name] = write_fp8_checkpoint(src, root / "fp8", root / "twin")
-        return made[name]
-
-    return get
+    return memo(write)
 
 
 @pytest.fixture(scope="module")

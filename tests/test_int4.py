@@ -59,17 +59,13 @@ def sources(tmp_path_factory):
 @pytest.fixture(scope="module")
 def int4_ckpt(tmp_path_factory, sources):
     """int4_ckpt(name) -> (4-bit checkpoint, its dequantized float32 twin), written once per module."""
-    made = {}
+    def write(name):
+        src, config, skip, mtp = INT4_FIXTURES[name]
+        root = tmp_path_factory.mktemp(f"int4_{name}")
+        return write_int4_checkpoint(sources(src), root / "q", root / "twin", json.loads(json.dumps(config)),
+                                     skip=skip, mtp=mtp)
 
-    def get(name):
-        if name not in made:
-            src, config, skip, mtp = INT4_FIXTURES[name]
-            root = tmp_path_factory.mktemp(f"int4_{name}")
-            made[name] = write_int4_checkpoint(sources(src), root / "q", root / "twin", json.loads(json.dumps(config)),
-                                               skip=skip, mtp=mtp)
-        return made[name]
-
-    return get
+    return memo(write)
 
 
 @pytest.fixture(scope="module")
