@@ -20,7 +20,8 @@ The kernel and configuration are timed per (N, K, width bucket) at load (install
 never inside a CUDA-graph capture (an untimed shape takes a default). Like cuBLAS's bf16 matmuls, which pick
 their algorithm by M, a verify pass's rows may round differently from one-row steps; `bench --precision`
 measures what that does to bf16 text, and float32 (the exact dequantizing path) is the lossless reference.
-Wider inputs (long prefills) dequantize and use cuBLAS: compute-bound there, the extra read is a small share.
+Wider inputs (long prefills) dequantize with one kernel and use cuBLAS: compute-bound there, the extra write and
+read of the 16-bit weight are a small share.
 """
 
 from __future__ import annotations
@@ -33,16 +34,14 @@ import torch.nn.functional as F
 
 from .fp8 import BLOCK, FP8Linear, dequantize
 from .kernels import relative_error
+from .splitk import bucket, fastest, finish, output, triton
 
-try:
-    import triton
+if triton is not None:
     import triton.language as tl
-except ImportError:  # CPU-only installs: the module imports, install() says why not
-    triton = None
 
 MAX_ROWS = 256  # widths up to this run the kernels (decode, verify, graph prefills); wider ones dequantize
 SELF_CHECK_TOL = 2e-2
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+A8_TOL = 6e-2  # the FP8 x FP8 prefill path's: its activations are rounded to e4m3 (about 3e-2 measured)
 ALL = 1 << 20  # "K blocks per program": all of them, no split (the output is written once, in its dtype)
 # (kernel, BLOCK_N, K blocks of 128 per program, warps, stages); per kernel the first is the untimed default.
 # "rows": CUDA-core multiply-adds, one row after another over the tile converted once (decoding's one row: on
@@ -56,12 +55,6 @@ CONFIGS = {
 }
 ROWS_MAX = 8  # the widths the row kernel may serve (its cost grows with them)
 _chosen: dict[tuple, tuple] = {}  # (N, K, bucket, device index) -> the timed (kernel, configuration)
-
-
-def bucket(rows: int) -> int:
-    """Widths timed together: decoding's 1, verify's 2-8, then BLOCK_M 16 / 64 / 128 for wider verify passes and
-    graph prefills."""
-    return 1 if rows == 1 else 8 if rows <= 8 else 16 if rows <= 16 else 64 if rows <= 64 else 128
 
 
 if triton is not None:
@@ -102,13 +95,42 @@ if triton is not None:
         tl.store(P + (pk * M + m[:, None]) * N + n[None, :], acc.to(P.dtype.element_ty),
                  mask=(m[:, None] < M) & (n[None, :] < N))
 
+
     @triton.jit
-    def _sum_slices(P, Y, MN, SLICES: tl.constexpr, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], tl.float32)
-        for sl in range(SLICES):  # in order: deterministic
-            acc += tl.load(P + sl * MN + i, mask=i < MN, other=0.0)
-        tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=i < MN)
+    def _fp8_dequantize(W, S, Y, N, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        b = tl.program_id(1)
+        k = b * BLOCK_K + tl.arange(0, BLOCK_K)
+        ok = (n[:, None] < N) & (k[None, :] < K)
+        w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(S + (n // BLOCK_K) * stride_sn + b, mask=n < N, other=0.0)
+        tl.store(Y + n[:, None].to(tl.int64) * K + k[None, :], (w * s[:, None]).to(Y.dtype.element_ty), mask=ok)
+
+
+    @triton.jit
+    def _fp8_quantize_groups(X, Q, S, M, M_PAD, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Rows of X (padded to M_PAD with zeros) in e4m3, one float32 scale per row and 128 columns: amax / 448,
+        as Qwen's FP8 releases declare their activations ("activation_scheme": "dynamic")."""
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        b = tl.program_id(1)
+        k = b * BLOCK_K + tl.arange(0, BLOCK_K)
+        x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K),
+                    other=0.0).to(tl.float32)
+        s = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
+        tl.store(Q + m[:, None].to(tl.int64) * K + k[None, :], (x / s[:, None]).to(Q.dtype.element_ty),
+                 mask=(m[:, None] < M_PAD) & (k[None, :] < K))
+        tl.store(S + b * M_PAD + m, s, mask=m < M_PAD)  # [K / 128, M_PAD]: M-major, as cuBLASLt reads 1x128 scales
+
+
+def dequantized(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8.dequantize's weight [N, K] in one kernel: the FP8 bytes read once and the 16-bit weight written once
+    (torch's form goes through a float32 [N, K]: at the 27B shape's gate / up projection 0.7 GB written and read
+    again per long-prefill chunk). The same products, rounded once to dtype."""
+    N, K = weight.shape
+    y = torch.empty(N, K, device=weight.device, dtype=dtype)
+    _fp8_dequantize[(triton.cdiv(N, 64), triton.cdiv(K, BLOCK))](weight, scale, y, N, K, weight.stride(0),
+                                                                 scale.stride(0), BLOCK_N=64, BLOCK_K=BLOCK)
+    return y
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, choice) -> torch.Tensor:
@@ -119,8 +141,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, choice)
     N = weight.shape[0]
     blocks = triton.cdiv(K, BLOCK)
     slices = triton.cdiv(blocks, min(ks, blocks))
-    out = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
-    part = out if slices == 1 else torch.empty(slices, M, N, device=x2.device, dtype=torch.float32)
+    out, part = output(M, N, slices, x2)
     if kind == "rows":
         block_m = triton.next_power_of_2(max(M, 1))
         _fp8_rows[(triton.cdiv(N, block_n), slices)](
@@ -131,9 +152,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, choice)
         _fp8_dot[(triton.cdiv(N, block_n), slices, triton.cdiv(M, block_m))](
             x2, weight, scale, part, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0), KS=min(ks, blocks),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages)
-    if slices > 1:
-        _sum_slices[(triton.cdiv(M * N, 1024),)](part, out, M * N, SLICES=slices, BLOCK=1024)
-    return out
+    return finish(part, out)
 
 
 def _config(M: int, N: int, K: int, device: torch.device):
@@ -162,32 +181,47 @@ def _(x, weight, scale):
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp8.matmul's kernel: up to MAX_ROWS rows through the Triton op, wider inputs dequantized for cuBLAS."""
+    """fp8.matmul's kernel: up to MAX_ROWS rows through the Triton op, wider inputs dequantized (by a kernel) for
+    cuBLAS."""
     if x.numel() // x.shape[-1] <= MAX_ROWS:
         return fp8_linear_op(x, weight, scale)
-    return F.linear(x, dequantize(weight, scale, x.dtype))
+    return F.linear(x, dequantized(weight, scale, x.dtype))
 
 
-def _time(fn, reps: int = 32) -> float:
-    """GPU milliseconds per call of fn, replayed inside a CUDA graph: a small linear takes 9-20 us on the H200,
-    less than launching it from the host, so host-timed loops would rank the launch overhead, not the kernels."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compiles
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (3 * reps)
+def matmul_a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """matmul, except that wider inputs whose shape cuBLASLt's block scaling takes run FP8 x FP8 (fp8_linear_a8)."""
+    if x.numel() // x.shape[-1] > MAX_ROWS and a8_shape(weight):
+        return fp8_linear_a8(x, weight, scale)
+    return matmul(x, weight, scale)
+
+
+def a8_shape(weight: torch.Tensor) -> bool:
+    """Whole 128-blocks, and K's blocks a multiple of 4 (the 1x128 scales' alignment)."""
+    N, K = weight.shape
+    return N % BLOCK == 0 and K % (4 * BLOCK) == 0
+
+
+@torch.library.custom_op("mtpchat::fp8_linear_a8", mutates_args=())
+def fp8_linear_a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Long prefills at FP8 tensor-core speed: x quantized per row and 128 columns to e4m3 (one kernel), then
+    cuBLASLt's block-scaled FP8 GEMM (1x128 activation scales, the weight's 128x128 ones). On the H200 at 2,048
+    rows of the 27B shape: 0.28-0.56 ms for the matmul against bf16 cuBLAS's 0.51-0.91 ms
+    (packaging/bench/fp8_prefill_ops.py). Rows are padded to a multiple of 4 (the scales' alignment)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    M, K = x2.shape
+    mp = -(-M // 4) * 4
+    q = torch.empty(mp, K, device=x.device, dtype=torch.float8_e4m3fn)
+    sx = torch.empty(K // BLOCK, mp, device=x.device, dtype=torch.float32)
+    _fp8_quantize_groups[(triton.cdiv(mp, 32), K // BLOCK)](x2, q, sx, M, mp, K, x2.stride(0), BLOCK_M=32,
+                                                            BLOCK_K=BLOCK)
+    y = F.scaled_mm(q, weight.t(), sx.t(), F.ScalingType.BlockWise1x128, scale.t(), F.ScalingType.BlockWise128x128,
+                    output_dtype=x.dtype)
+    return y[:M].reshape(*x.shape[:-1], weight.shape[0])
+
+
+@fp8_linear_a8.register_fake
+def _(x, weight, scale):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def tune(weight: torch.Tensor, scale: torch.Tensor, rows: int = 1) -> tuple:
@@ -197,14 +231,8 @@ def tune(weight: torch.Tensor, scale: torch.Tensor, rows: int = 1) -> tuple:
     if key not in _chosen:
         x = torch.randn(rows, K, device=weight.device, dtype=torch.bfloat16)
         kinds = ("rows", "dot") if rows <= ROWS_MAX else ("dot",)
-        choices = [(kind, c) for kind in kinds for c in (CONFIGS[kind][:1] if INTERPRET else CONFIGS[kind])]
-        timed = {}
-        for choice in choices:
-            try:
-                timed[choice] = 0.0 if INTERPRET else _time(lambda: _launch(x, weight, scale, choice))
-            except Exception:  # a configuration this GPU cannot hold (shared memory): skip it
-                continue
-        _chosen[key] = min(timed, key=timed.get)
+        _chosen[key] = fastest([(kind, c) for kind in kinds for c in CONFIGS[kind]],
+                               lambda choice: _launch(x, weight, scale, choice))
     return _chosen[key]
 
 
@@ -255,6 +283,9 @@ def install(modules: Iterable, device: torch.device | str, dtype: torch.dtype) -
                     for rows in (1, 4, 64):  # decoding, verify, a graph prefill
                         tune(w, s, rows)
                     worst = max(worst, *(_self_check(w, s, dtype, r) for r in (1, 5, 12, 40)))
+                    head, head_scale = w[:2 * BLOCK], s[:2]  # long prefills' dequantizing kernel: exact
+                    if not torch.equal(dequantized(head, head_scale, dtype), dequantize(head, head_scale, dtype)):
+                        worst = float("inf")
         except Exception as e:  # a Triton / driver failure: keep the dequantizing matmul
             reason = f"Triton FP8 kernel failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         else:
@@ -262,7 +293,39 @@ def install(modules: Iterable, device: torch.device | str, dtype: torch.dtype) -
                 reason = f"Triton FP8 kernel self-check failed: error {worst:.1e}"
     if reason is not None:
         return f"weight-only: each matmul dequantizes its FP8 weight first ({reason})"
+    why_not_a8, a8_error = _a8_check(targets, device, dtype)
     for m, _, _ in targets:
-        m.fp8_kernel = matmul
+        m.fp8_kernel = matmul if why_not_a8 else matmul_a8
+    prefill = (f"dequantized by a kernel, then cuBLAS ({why_not_a8})" if why_not_a8 else
+               f"FP8 x FP8 block-scaled cuBLASLt, activations in e4m3 per row and 128 columns (self-check "
+               f"{a8_error:.1e})")
     return f"Triton W8A16 kernel: FP8 weights streamed, dequantized in registers, up to {MAX_ROWS} rows " \
-           f"(self-check {worst:.1e}, {len(checked)} shapes timed)"
+           f"(self-check {worst:.1e}, {len(checked)} shapes timed); longer prefills: {prefill}"
+
+
+def _a8_check(targets: list, device: torch.device, dtype: torch.dtype) -> tuple[str | None, float]:
+    """(why long prefills keep 16-bit activations, or None; the FP8 x FP8 path's worst relative error against the
+    dequantized matmul). Its activation rounding (e4m3: 3 mantissa bits) costs about 3e-2 of the output's range at
+    the 27B shape's projections, against 4e-3 for the W8A16 kernel, so it is kept to prefills: they build the
+    state, and decoding's and verify's rows stay W8A16. MTPCHAT_FP8_PREFILL=w8a16 opts out."""
+    if os.environ.get("MTPCHAT_FP8_PREFILL") == "w8a16":
+        return "MTPCHAT_FP8_PREFILL=w8a16", 0.0
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return "no FP8 tensor cores below compute capability 8.9", 0.0
+    if not hasattr(F, "scaled_mm"):
+        return f"torch {torch.__version__} has no block-scaled F.scaled_mm", 0.0
+    worst, checked = 0.0, set()
+    try:
+        for _, w, s in targets:
+            if a8_shape(w) and tuple(w.shape) not in checked:
+                checked.add(tuple(w.shape))
+                gen = torch.Generator(device=w.device).manual_seed(7)
+                x = torch.randn(MAX_ROWS + 3, w.shape[1], generator=gen, device=w.device).to(dtype)
+                worst = max(worst, relative_error(fp8_linear_a8(x, w, s), F.linear(x, dequantize(w, s, dtype))))
+    except Exception as e:  # an older cuBLASLt / torch without 1x128 x 128x128 block scaling
+        return f"F.scaled_mm failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}", 0.0
+    if not checked:
+        return "no weight shape in whole blocks of 4 x 128 columns", 0.0
+    if not worst < A8_TOL:
+        return f"FP8 x FP8 self-check failed: error {worst:.1e}", 0.0
+    return None, worst

@@ -51,6 +51,16 @@ def test_the_row_kernel_gives_a_row_what_it_gives_it_alone(triton_device):
         assert torch.equal(fp8_triton._launch(x[i : i + 1], w, s, choice), verify[i : i + 1])
 
 
+@pytest.mark.parametrize("n,k", [(256, 384), (200, 300)])  # whole blocks; partial edge blocks in N and K
+def test_the_dequantizing_kernel_rounds_as_fp8_dequantize(triton_device, n, k):
+    """Long prefills' weight: the same float32 products as fp8.dequantize, rounded once, bit for bit."""
+    from engine import fp8_triton
+
+    dtype = torch.bfloat16 if triton_device.type == "cuda" else torch.float16
+    w, s = _fp8(n, k, triton_device, seed=n)
+    assert torch.equal(fp8_triton.dequantized(w, s, dtype), dequantize(w, s, dtype))
+
+
 def test_install_swaps_the_forward_after_its_self_check(triton_device):
     from engine import fp8_triton
 
@@ -68,6 +78,8 @@ def test_install_swaps_the_forward_after_its_self_check(triton_device):
     x = torch.randn(2, 3, 256, device="cuda", dtype=torch.bfloat16)
     ref = F.linear(x.float(), dequantize(lin.weight, lin.weight_scale_inv, torch.float32))
     assert ((lin(x).float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    wide = torch.randn(fp8_triton.MAX_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)  # a long prefill
+    assert torch.equal(lin(wide), F.linear(wide, dequantize(lin.weight, lin.weight_scale_inv, torch.bfloat16)))
 
 
 def test_without_cuda_the_forward_stays_the_exact_reference():
@@ -76,3 +88,44 @@ def test_without_cuda_the_forward_stays_the_exact_reference():
     lin = FP8Linear(256, 128)
     assert fp8_triton.install([lin], "cpu", torch.float32).startswith("weight-only")
     assert fp8_triton.install([torch.nn.Linear(4, 4)], "cpu", torch.float32) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP8 x FP8 prefill path is CUDA's (and Triton 3.x's "
+                    "interpreter rounds float32 to e4m3 wrongly: -125.3 to -64)")
+def test_the_activation_quantizer_rounds_each_row_and_128_columns():
+    """Long prefills' activations (FP8 x FP8): e4m3 with one scale per row and 128 columns, amax / 448, rounded
+    as torch rounds; rows padded to a multiple of 4 come out zero."""
+    from engine import fp8_triton
+
+    dev = "cuda"
+    x = (torch.randn(5, 256, generator=torch.Generator().manual_seed(3)) * 3).to(dev, torch.bfloat16)
+    x[1, :128] = 0  # an all-zero group: its scale is tiny, its values 0
+    q = torch.empty(8, 256, device=dev, dtype=torch.float8_e4m3fn)
+    s = torch.empty(2, 8, device=dev, dtype=torch.float32)
+    fp8_triton._fp8_quantize_groups[(1, 2)](x, q, s, 5, 8, 256, x.stride(0), BLOCK_M=32, BLOCK_K=128)
+    g = x.float().view(5, 2, 128)
+    ref_s = g.abs().amax(-1).clamp(min=1e-12) / 448.0
+    ref_q = (g / ref_s[..., None]).to(torch.float8_e4m3fn).view(5, 256)
+    assert torch.equal(s.t()[:5], ref_s)
+    assert torch.equal(q[:5].float(), ref_q.float()) and not q[5:].float().any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt's block-scaled FP8 GEMM needs CUDA")
+def test_long_prefills_run_fp8_x_fp8_near_the_dequantized_matmul(monkeypatch):
+    from engine import fp8_triton
+
+    lin = FP8Linear(512, 256, device="cuda")
+    lin.weight.data, lin.weight_scale_inv.data = _fp8(256, 512, "cuda")
+    why = fp8_triton.install([lin], "cuda", torch.bfloat16)
+    if torch.cuda.get_device_capability() < (8, 9):
+        assert lin.fp8_kernel is fp8_triton.matmul and "compute capability" in why
+        return
+    assert lin.fp8_kernel is fp8_triton.matmul_a8 and "FP8 x FP8" in why, why
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x.float(), dequantize(lin.weight, lin.weight_scale_inv, torch.float32))
+    assert ((lin(x).float() - ref).abs().max() / ref.abs().max()).item() < fp8_triton.A8_TOL
+    one = x[:3]  # decode / verify widths stay W8A16
+    assert torch.equal(lin(one), fp8_triton.matmul(one, lin.weight, lin.weight_scale_inv))
+    monkeypatch.setenv("MTPCHAT_FP8_PREFILL", "w8a16")
+    assert "MTPCHAT_FP8_PREFILL" in fp8_triton.install([lin], "cuda", torch.bfloat16)
+    assert lin.fp8_kernel is fp8_triton.matmul

@@ -1,7 +1,8 @@
 """Where one decode step's GPU time goes: the CUDA kernels of plain decoding's step (trunk and lm_head, the GDN
 state written in place: GraphRunner.decode), grouped by name.
 
-    python packaging/bench/profile_step.py --random-weights qwen3.5-27b [--layers N] [--compile] [--json OUT]
+    python packaging/bench/profile_step.py --random-weights qwen3.5-27b [--layers N] [--compile] [--quant fp8|int4]
+        [--json OUT]
 
 With --host N: also N greedy plain tokens through Engine.generate (the whole decode loop), their wall time per
 token against the replay's (what the host adds while the GPU waits), and a cProfile of that loop.
@@ -33,8 +34,9 @@ def family_of(name: str) -> str:
     return name[:90]
 
 
-# cuBLAS / cuBLASLt GEMM kernels (H100 / H200 "nvjet", older "gemm" / "cutlass" / "xmma") and split-K's reduction
-MATMUL = re.compile(r"nvjet|gemm|cutlass|xmma|splitKreduce", re.IGNORECASE)
+# cuBLAS / cuBLASLt GEMM kernels (H100 / H200 "nvjet", older "gemm" / "cutlass" / "xmma"), split-K's reduction,
+# and our FP8 / 4-bit Triton matmuls
+MATMUL = re.compile(r"nvjet|gemm|cutlass|xmma|splitKreduce|_fp8_rows|_fp8_dot|_sum_slices|_w4a16", re.IGNORECASE)
 
 
 def matmul_share(kernels: dict[str, list[float]]) -> tuple[float, float]:
@@ -131,8 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--host", type=int, default=0, metavar="N")
+    ap.add_argument("--quant", choices=["bf16", "fp8", "int4"], default="bf16")
     args = ap.parse_args(argv)
-    engine = Engine(random_model(args.random_weights, args.layers, "cuda", "bfloat16"), None, set(),
+    engine = Engine(random_model(args.random_weights, args.layers, "cuda", "bfloat16", quant=args.quant), None, set(),
                     cuda_graphs=True, compile=args.compile)
     trunk, caches, runner = engine.trunk, engine.caches, engine.graph_runner
     caches.reset()
