@@ -55,7 +55,6 @@ SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i] of its 8
 AWQ_COLUMN_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # column j is nibble AWQ_COLUMN_NIBBLE[j] (its inverse)
 _SHIFTS = tuple(range(0, 32, BITS))
-MAX_KERNEL_ROWS = 16  # int4_triton.MAX_ROWS: wider inputs (prefill) dequantize, then matmul
 
 
 @dataclass(frozen=True)
@@ -246,7 +245,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("zeros", zeros, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("perm", perm, persistent=False)
-        self.kernel = None  # int4_triton.forward where install() chose it (CUDA, 16-bit, decode / verify widths)
+        self.kernel = None  # int4_triton.forward where install() chose it (CUDA, 16-bit)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] in the input's row order, in `dtype` (computed in float32)."""
@@ -256,7 +255,7 @@ class Int4Linear(nn.Module):
         return w.t().contiguous().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.numel() <= MAX_KERNEL_ROWS * x.shape[-1]:
+        if self.kernel is not None:
             return self.kernel(self, x)
         return F.linear(x, self.dequantized(x.dtype))
 
@@ -269,9 +268,9 @@ class Int4Linear(nn.Module):
 
 
 def choose(backends, modules, device, dtype) -> None:
-    """Int4Linear's forward at decode / verify widths: the Triton W4A16 kernel where it runs and passes its
-    self-check (int4_triton.py), else dequantize-then-matmul; recorded in backends.choice (None: the MTP head's,
-    which follows the trunk's). Nothing is recorded for a model without 4-bit weights."""
+    """Int4Linear's forward: the Triton W4A16 kernels where they run and pass their self-check (int4_triton.py),
+    else dequantize-then-matmul; recorded in backends.choice (None: the MTP head's, which follows the trunk's).
+    Nothing is recorded for a model without 4-bit weights."""
     from .int4_triton import install
 
     why = install(modules, device, dtype)

@@ -1,29 +1,39 @@
-"""W4A16 skinny GEMM for decode and verify widths (1 .. 16 rows): Int4Linear's packed weights (int4.py's layout:
-qweight int32 [K/8, N] packed along K, zeros uint8 [G, N], scales [G, N]) dequantized in registers, one group's
-zeros and scales per K-block, and one tl.dot per block with float32 accumulation.
+"""W4A16 matmuls on CUDA in 16-bit: Int4Linear's packed weights (int4.py's layout: qweight int32 [K/8, N] packed
+along K, zeros uint8 [G, N], scales [G, N]) dequantized in registers.
 
-Each program owns BLOCK_N output columns for every row (no split-K: no atomics, so a row's result does not depend
-on the other rows of the batch, and verify's rows round like decoding's). The dequantized tile is (q - zero) *
-scale in float32, rounded to the activation's dtype, as the fallback (dequantize, then F.linear) rounds it.
-Act-order weights come with their rows sorted by group (int4.py): the input columns are permuted to match before the
-kernel. Behind the custom op mtpchat::int4_linear (opaque to torch.compile, replayable in CUDA graphs); block sizes
-come from the shapes (no autotuning: nothing to benchmark when first called in a graph warm-up).
+Up to MAX_ROWS rows (decode, verify, graph prefills) one kernel streams the packed weight: each program owns
+BLOCK_N output columns and a slice of K's blocks (BLOCK_K rows inside one group, so one zero / scale row serves a
+block), unpacks a [BLOCK_K, BLOCK_N] tile, computes (q - zero) * scale in float32, rounds it to the activation's
+dtype (as the dequantizing reference rounds it) and runs one tensor-core dot against 16 / 64 / 128 padded rows.
+K slices' float32 partials are summed in order by a second kernel (splitk.py): the first version had no split,
+and the 27B shape's down projection (N 5,120, 80 programs of 64 columns for 132 SMs, 136 blocks each) streamed at
+0.5 TB/s. The configuration is timed per (N, K, group, width bucket) at load, inside CUDA graphs, as fp8_triton
+does. Wider inputs (long prefills) dequantize with a kernel into a temporary 16-bit weight, then cuBLAS: compute-
+bound there, the temporary's write and read are a small share (the torch-ops unpacking it replaces cost 0.86 s
+for a 32-token prefill of the 27B shape).
+
+Act-order weights come with their rows sorted by group (int4.py): the input columns are permuted to match.
+Behind the custom op mtpchat::int4_linear (opaque to torch.compile, replayable in CUDA graphs).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .kernels import relative_error
+from .splitk import bucket, fastest, finish, output, triton
 
-try:
-    import triton
+if triton is not None:
     import triton.language as tl
-except ImportError:  # CPU-only installs: the module still imports, usable() says why not
-    triton = None
 
-MAX_ROWS = 16  # tl.dot's smallest M tile: 1 .. 16 rows share one program shape
+MAX_ROWS = 256  # widths up to this run the W4A16 kernel; wider ones dequantize, then cuBLAS
 SELF_CHECK_TOL = 2e-2
+ALL = 1 << 20  # "K blocks per program": all of them (no split: the output is written once, in its dtype)
+# (BLOCK_N, K blocks per program, warps, stages); the first is the untimed default
+CONFIGS = [(64, 8, 4, 3), (128, 8, 4, 3), (128, 4, 4, 3), (64, 4, 4, 4), (128, 16, 8, 3), (256, 8, 8, 3),
+           (64, ALL, 4, 3), (32, 8, 4, 4)]
+_chosen: dict[tuple, tuple] = {}  # (N, K, group, bucket, device index) -> the timed configuration
 
 
 def block_k(group_size: int, k: int) -> int | None:
@@ -37,77 +47,116 @@ def block_k(group_size: int, k: int) -> int | None:
 
 def usable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the kernel cannot serve Int4Linear here, or None."""
+    from .splitk import INTERPRET
+
     if triton is None:
         return "triton is not installed"
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not INTERPRET:
         return "CUDA only"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"16-bit activations only ({str(dtype).replace('torch.', '')}: dequantize, then matmul)"
     return None
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["M"])  # one compiled kernel for 1..16 rows: none compiles inside a graph capture
-    def _w4a16_kernel(x_ptr, qw_ptr, z_ptr, s_ptr, y_ptr, M, N, K, GROUP, stride_xm, stride_ym, stride_q, stride_z,
-                      stride_s, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
+    @triton.jit(do_not_specialize=["M"])  # one compiled kernel per row bucket: none compiles inside a capture
+    def _w4a16(X, QW, Z, S, P, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s, KS: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_p = tl.arange(0, BLOCK_K // 8)  # packed rows of a K-block
         offs_k = tl.arange(0, BLOCK_K)
         shifts = tl.arange(0, 8) * 4
-        n_ok = offs_n < N
-        m_ok = offs_m < M
+        n_ok, m_ok = n < N, m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for b in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
+            k0 = b * BLOCK_K
             rows = k0 // 8 + offs_p
-            packed = tl.load(qw_ptr + rows[:, None].to(tl.int64) * stride_q + offs_n[None, :],
+            packed = tl.load(QW + rows[:, None].to(tl.int64) * stride_q + n[None, :],
                              mask=(rows < K // 8)[:, None] & n_ok[None, :], other=0)
             q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]: row 8i + j
             q = tl.reshape(q, (BLOCK_K, BLOCK_N))
             g = k0 // GROUP
-            z = tl.load(z_ptr + g * stride_z + offs_n, mask=n_ok, other=0).to(tl.float32)
-            s = tl.load(s_ptr + g * stride_s + offs_n, mask=n_ok, other=0).to(tl.float32)
-            w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(x_ptr.dtype.element_ty)
+            z = tl.load(Z + g * stride_z + n, mask=n_ok, other=0).to(tl.float32)
+            s = tl.load(S + g * stride_s + n, mask=n_ok, other=0).to(tl.float32)
+            w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(X.dtype.element_ty)
             ks = k0 + offs_k
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks < K)[None, :],
-                        other=0.0)
+            x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks < K)[None, :], other=0.0)
             acc += tl.dot(x, w)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+        tl.store(P + (pk * M + m[:, None]) * N + n[None, :], acc.to(P.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
+    @triton.jit
+    def _dequantize(QW, Z, S, W, N, K, GROUP, stride_q, stride_z, stride_s,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The weight [N, K] (F.linear's layout, sorted rows' order) in W's dtype, as _w4a16 rounds it."""
+        pn, pb = tl.program_id(0), tl.program_id(1)
+        n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = pb * BLOCK_K
+        rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        n_ok = n < N
+        packed = tl.load(QW + rows[:, None].to(tl.int64) * stride_q + n[None, :],
+                         mask=(rows < K // 8)[:, None] & n_ok[None, :], other=0)
+        q = tl.reshape((packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+        g = k0 // GROUP
+        z = tl.load(Z + g * stride_z + n, mask=n_ok, other=0).to(tl.float32)
+        s = tl.load(S + g * stride_s + n, mask=n_ok, other=0).to(tl.float32)
+        w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(W.dtype.element_ty)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        tl.store(W + n[None, :].to(tl.int64) * K + ks[:, None], w, mask=n_ok[None, :] & (ks < K)[:, None])
 
-def _block_n(n: int) -> int:
-    # enough programs to fill an H200's 132 SMs at the narrow projections, wide tiles for the long ones
-    return 64 if n >= 8192 else 32
+
+def _launch(x2: torch.Tensor, qweight, zeros, scales, group: int, config) -> torch.Tensor:
+    M, K = x2.shape
+    N = qweight.shape[1]
+    bk = block_k(group, K)
+    block_n, ks, warps, stages = config
+    blocks = triton.cdiv(K, bk)
+    slices = triton.cdiv(blocks, min(ks, blocks))
+    block_m = 16 if M <= 16 else bucket(M)
+    out, part = output(M, N, slices, x2)
+    _w4a16[(triton.cdiv(N, block_n), slices, triton.cdiv(M, block_m))](
+        x2, qweight, zeros, scales, part, M, N, K, K if group == -1 else group, x2.stride(0), qweight.stride(0),
+        zeros.stride(0), scales.stride(0), KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages)
+    return finish(part, out)
 
 
-def _launch(x2: torch.Tensor, qweight, zeros, scales, group: int) -> torch.Tensor:
-    m, k = x2.shape
-    n = qweight.shape[1]
-    bk = block_k(group, k)
-    y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
-    bn = _block_n(n)
-    _w4a16_kernel[(triton.cdiv(n, bn),)](x2, qweight, zeros, scales, y, m, n, k, k if group == -1 else group,
-                                         x2.stride(0), y.stride(0), qweight.stride(0), zeros.stride(0),
-                                         scales.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=bk,
-                                         num_warps=4)
-    return y
+def dequantize(qweight, zeros, scales, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The 16-bit weight [N, K] in the sorted rows' order (wide inputs: one kernel instead of torch's unpacking)."""
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    bk = block_k(group, K)
+    w = torch.empty(N, K, device=qweight.device, dtype=dtype)
+    _dequantize[(triton.cdiv(N, 64), triton.cdiv(K, bk))](qweight, zeros, scales, w, N, K,
+                                                           K if group == -1 else group, qweight.stride(0),
+                                                           zeros.stride(0), scales.stride(0), BLOCK_N=64, BLOCK_K=bk)
+    return w
+
+
+def _config(M: int, N: int, K: int, group: int, device: torch.device) -> tuple:
+    return _chosen.get((N, K, group, bucket(M), device.index), CONFIGS[0])
+
+
+def tune(lin, rows: int) -> tuple:
+    """The fastest configuration for this weight at `rows` rows, remembered for its bucket."""
+    K, N = lin.qweight.shape[0] * 8, lin.qweight.shape[1]
+    key = (N, K, lin.group_size, bucket(rows), lin.qweight.device.index)
+    if key not in _chosen:
+        x = torch.randn(rows, K, device=lin.qweight.device, dtype=torch.bfloat16)
+        _chosen[key] = fastest(CONFIGS, lambda c: _launch(x, lin.qweight, lin.zeros, lin.scales, lin.group_size, c))
+    return _chosen[key]
 
 
 @torch.library.custom_op("mtpchat::int4_linear", mutates_args=())
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                 group: int) -> torch.Tensor:
-    """x [M <= 16, K] (rows already in the weight's sorted order) times the 4-bit weight: [M, N]. The weight's
-    tensors may be column slices of a fused projection's (their rows strided; columns contiguous)."""
-    return _launch(x.contiguous(), qweight, zeros, scales, group)
+    """x [M <= MAX_ROWS, K] (rows already in the weight's sorted order) times the 4-bit weight: [M, N]. The
+    weight's tensors may be column slices of a fused projection's (their rows strided; columns contiguous)."""
+    x = x.contiguous()
+    config = _config(x.shape[0], qweight.shape[1], x.shape[1], group, x.device)
+    return _launch(x, qweight, zeros, scales, group, config)
 
 
 @int4_linear.register_fake
@@ -116,18 +165,22 @@ def _(x, qweight, zeros, scales, group):
 
 
 def forward(lin, x: torch.Tensor) -> torch.Tensor:
-    """Int4Linear's forward through the kernel (lin.kernel is set by install)."""
+    """Int4Linear's forward where install chose the kernel: up to MAX_ROWS rows through the op, wider inputs
+    through the dequantized weight."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if lin.perm is not None:
         x2 = x2.index_select(1, lin.perm)
+    if x2.shape[0] > MAX_ROWS:
+        w = dequantize(lin.qweight, lin.zeros, lin.scales, lin.group_size, x.dtype)
+        return F.linear(x2, w).view(*shape[:-1], -1)
     return int4_linear(x2, lin.qweight, lin.zeros, lin.scales, lin.group_size).view(*shape[:-1], -1)
 
 
 def install(modules, device, dtype) -> str | None:
-    """Give every Int4Linear in `modules` the kernel for its decode / verify widths, after a self-check per
-    distinct shape against the float32 dequantized reference; all or none. Returns the choice with its reason
-    (None: no Int4Linear modules)."""
+    """Give every Int4Linear in `modules` the kernel, after timing its configurations per weight shape and a
+    self-check per distinct shape against the float32 dequantized reference at decode, verify and prefill widths;
+    all or none. Returns the choice with its reason (None: no Int4Linear modules)."""
     from .int4 import Int4Linear
 
     lins = [m for m in modules if isinstance(m, Int4Linear)]
@@ -144,21 +197,26 @@ def install(modules, device, dtype) -> str | None:
                 key = (m.in_features, m.out_features, m.group_size, m.perm is not None)
                 if key not in checked:
                     checked.add(key)
+                    if device.type == "cuda":
+                        for rows in (1, 4, 64):  # decoding, verify, a graph prefill
+                            tune(m, rows)
                     worst = max(worst, self_check(m, dtype))
         except Exception as e:  # an architecture or Triton version the kernel does not compile for
             why = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-        if why is None and worst > SELF_CHECK_TOL:
+        if why is None and not worst <= SELF_CHECK_TOL:  # NaN too
             why = f"self-check mismatch {worst:.2g}"
     for m in lins:
         m.kernel = None if why else forward
     if why:
         return f"dequantize, then matmul ({why})"
-    return f"Triton W4A16 kernel for 1..{MAX_ROWS} rows (self-check {worst:.1e} over {len(checked)} shapes)"
+    return (f"Triton W4A16 kernel up to {MAX_ROWS} rows, a dequantizing kernel then cuBLAS above (self-check "
+            f"{worst:.1e} over {len(checked)} shapes)")
 
 
 def self_check(lin, dtype) -> float:
-    """Relative error of the kernel against the float32 dequantized weight on random rows (1 and 5 rows)."""
+    """Relative error of the kernel against the float32 dequantized weight on random rows: 1, 5 and 40 rows, and
+    one more than MAX_ROWS (the dequantizing kernel)."""
     gen = torch.Generator(device=lin.qweight.device).manual_seed(0)
-    x = torch.randn(5, lin.in_features, generator=gen, device=lin.qweight.device).to(dtype)
+    x = torch.randn(MAX_ROWS + 1, lin.in_features, generator=gen, device=lin.qweight.device).to(dtype)
     ref = x.float() @ lin.dequantized(torch.float32).T
-    return max(relative_error(forward(lin, x[:1]).float(), ref[:1]), relative_error(forward(lin, x).float(), ref))
+    return max(relative_error(forward(lin, x[:r]).float(), ref[:r]) for r in (1, 5, 40, MAX_ROWS + 1))
