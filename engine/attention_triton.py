@@ -71,12 +71,16 @@ def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | Non
     return None
 
 
+SPLITS = 512  # about this many splits over a long cache, per kv head (attn_splits.py: the fastest on the H200)
+STAGES = 3
+
+
 def plan(rows: int, n: int, head_dim: int) -> tuple[int, int, int]:
     """(rows per program, keys per loop step, keys per split) for `rows` query rows over a capacity of n: about
-    64 splits over a long cache, so that 4 kv heads still fill the GPU."""
+    SPLITS splits over a long cache, so that 4 kv heads still fill the GPU."""
     block_r = max(16, min(32, triton.next_power_of_2(rows)))
     block_n = 32 if head_dim >= 256 else 64
-    split = max(4 * block_n, triton.next_power_of_2(-(-n // 64)))
+    split = max(4 * block_n, triton.next_power_of_2(-(-n // SPLITS)))
     return block_r, block_n, split
 
 
@@ -95,7 +99,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positio
     acc = torch.empty(hkv, splits, rows, D, device=q.device, dtype=torch.float32)
     _splits[(hkv, splits, triton.cdiv(rows, block_r))](
         qr, keys, values, positions, m, l, acc, rows, T, split, splits, keys.stride(1), scale,
-        BLOCK_R=block_r, BLOCK_N=block_n, D=D, num_warps=4, num_stages=2)
+        BLOCK_R=block_r, BLOCK_N=block_n, D=D, num_warps=4, num_stages=STAGES)
     w = torch.exp(m - m.amax(1, keepdim=True))  # splits past the filled length weigh exp(NEG - max) = 0
     out = (acc * w[..., None]).sum(1) / (l * w).sum(1)[..., None]
     return out.to(q.dtype).reshape(1, H, T, D)

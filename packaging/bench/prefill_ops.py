@@ -219,9 +219,15 @@ def main():
     p.add_argument("--json")
     p.add_argument("--quick", action="store_true", help="with --graphs: only decoding after 32 tokens and after each")
     p.add_argument("--graphs", default="", help="with CUDA graphs: long prompt lengths to decode after (comma-separated)")
+    p.add_argument("--splits", type=int, help="the split-K decode attention's splits (attn_splits.py's best)")
+    p.add_argument("--stages", type=int, help="and its pipeline stages")
     a = p.parse_args()
     from engine import Engine, random_model
 
+    from engine import attention_triton
+
+    attention_triton.SPLITS = a.splits or attention_triton.SPLITS
+    attention_triton.STAGES = a.stages or attention_triton.STAGES
     loaded = random_model(a.preset, a.layers, "cuda", "bfloat16")
     cfg = loaded.trunk.config
     if a.graphs:
