@@ -73,6 +73,14 @@ def memo(make):
     return get
 
 
+def greedy_reference(hf, prompt: list[int], n: int, **kw) -> list[int]:
+    """transformers' greedy continuation of `prompt`, exactly n tokens: the oracle for the engine's ignore_eos
+    decoding. eos_token_id=None neither stops at EOS nor masks it; min_new_tokens would mask it, so a fixture whose
+    greedy path reaches EOS would differ at that token for no fault of the engine's."""
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, **kw)
+    return out[0, len(prompt):].tolist()
+
+
 def tokenizer_files(thinking: bool = False) -> dict[str, str]:
     """Train a small byte-level BPE once per process; return file name -> content. thinking: with Qwen's <think>
     markers as added (non-special) tokens and a Qwen3.5-style thinking template."""

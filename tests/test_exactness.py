@@ -7,6 +7,7 @@ import transformers as tf
 from engine import GenerationSettings
 from engine.drafters import OracleDrafter
 from engine.events import Tokens
+from fixtures import greedy_reference
 
 FAMILIES = ["next", "next_moe", "q35", "q35_moe"]
 PROMPTS = [
@@ -54,8 +55,7 @@ def test_greedy_equals_transformers_generate(name, engines, hf_models):
         # a prefill chunk shorter than the prompt exercises chunked prefill
         ours, sources, fin = decode(engine, prompt, depth=0, prefill_chunk=7)
         assert len(prompt) > 7
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-        assert ours == ref[0, len(prompt):].tolist()
+        assert ours == greedy_reference(hf, prompt, 24)
         assert set(sources) == {"target"} and fin.stats["drafted"] == 0
 
 
@@ -208,8 +208,7 @@ def test_generated_pad_token_is_a_valid_input(tmp_path):
     engine = load_engine(str(path))
     hf = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     assert hf.config.pad_token_id == pad
-    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                      pad_token_id=pad)[0, len(prompt):].tolist()
+    ref = greedy_reference(hf, prompt, 24, pad_token_id=pad)
     again, _, _ = decode(engine, prompt, depth=0)
     assert again == plain == ref and pad in again[1:-1]
     vocab = engine.trunk.config.vocab_size

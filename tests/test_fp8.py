@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from engine import fp8, load_engine
 from engine.errors import EngineError
 from engine.model import load
-from fixtures import memo, write_checkpoint, write_fp8_checkpoint
+from fixtures import greedy_reference, memo, write_checkpoint, write_fp8_checkpoint
 from test_exactness import PROMPTS, assert_speculation_equals_plain, decode
 
 # hidden 128, every projection's N a multiple of 128: whole blocks, the fused FP8 projections concatenate
@@ -62,8 +62,7 @@ def test_fp8_greedy_equals_transformers_on_the_dequantized_twin(name, fp8_ckpt, 
     for messages in PROMPTS:
         prompt = engine.encode_chat(messages)
         ours, _, _ = decode(engine, prompt, depth=0, prefill_chunk=7)
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-        assert ours == ref[0, len(prompt):].tolist()
+        assert ours == greedy_reference(hf, prompt, 24)
 
 
 @pytest.mark.parametrize("name", list(FP8_FIXTURES))

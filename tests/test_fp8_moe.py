@@ -13,7 +13,7 @@ from engine import fp8, load_engine
 from engine.discovery import SAFETENSORS_DTYPES, _numel, estimate_memory, inspect_model
 from engine.environment import DeviceInfo
 from engine.model import MOE_ROWWISE_MAX_TOKENS, load, moe_grouped, moe_rowwise
-from fixtures import _split_experts, memo, write_checkpoint, write_fp8_checkpoint
+from fixtures import _split_experts, greedy_reference, memo, write_checkpoint, write_fp8_checkpoint
 from test_exactness import PROMPTS, assert_speculation_equals_plain, decode
 
 # name -> (family, options). next_moe: I = 32, H = 64: one partial block per matrix, and gate / up keep a scale
@@ -59,8 +59,7 @@ def test_fp8_moe_greedy_equals_transformers_on_the_dequantized_twin(name, fp8_ck
     for messages in PROMPTS:
         prompt = engine.encode_chat(messages)
         ours, _, _ = decode(engine, prompt, depth=0, prefill_chunk=7)  # decode widths: moe_rowwise
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-        assert ours == ref[0, len(prompt):].tolist()
+        assert ours == greedy_reference(hf, prompt, 24)
 
 
 @pytest.mark.parametrize("name", list(FIXTURES))

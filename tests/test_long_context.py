@@ -10,6 +10,7 @@ import torch
 import transformers as tf
 
 from engine import load_engine
+from fixtures import greedy_reference
 from test_exactness import FAMILIES, assert_mtp_drafts_accepted_and_rejected, decode
 
 DEMO = "engine/assets/demo"
@@ -31,8 +32,7 @@ def test_a_long_prompt_decodes_as_transformers_at_every_depth(name, engines, ckp
     plain, _, fin = decode(engine, prompt, depth=0, prefill_chunk=48, reuse=False)
     assert fin.stats["prefilled_tokens"] == len(prompt)
     hf = tf.AutoModelForCausalLM.from_pretrained(str(ckpt(name)), dtype=torch.float32).eval()
-    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-    assert plain == ref[0, len(prompt):].tolist()
+    assert plain == greedy_reference(hf, prompt, 24)
     for depth in (1, 3):
         tokens, _, fin = decode(engine, prompt, depth=depth, prefill_chunk=48, reuse=False)
         assert tokens == plain
