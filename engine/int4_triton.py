@@ -7,8 +7,11 @@ block), unpacks a [BLOCK_K, BLOCK_N] tile, computes (q - zero) * scale in float3
 dtype (as the dequantizing reference rounds it) and runs one tensor-core dot against 16 / 64 / 128 padded rows.
 K slices' float32 partials are summed in order by a second kernel (splitk.py): the first version had no split,
 and the 27B shape's down projection (N 5,120, 80 programs of 64 columns for 132 SMs, 136 blocks each) streamed at
-0.5 TB/s. The configuration is timed per (N, K, group, width bucket) at load, inside CUDA graphs, as fp8_triton
-does. Wider inputs (long prefills) dequantize with a kernel into a temporary 16-bit weight, then cuBLAS: compute-
+0.5 TB/s; with the split the whole step reached 0.77 TB/s (50 tok/s), still far from the weights' 15 GB at 4.8.
+For up to ROWS_MAX rows a CUDA-core form takes each word's 8 nibbles one shift at a time against their 8 input
+rows (no reshape of the unpacked tile into the dot's layout, no 16-row padding); it has not run on a GPU yet, so it
+only competes: the kernel and configuration are timed per (N, K, group, width bucket) at load inside CUDA graphs,
+as fp8_triton does, among the choices whose output agrees with the dot form's default. Wider inputs (long prefills) dequantize with a kernel into a temporary 16-bit weight, then cuBLAS: compute-
 bound there, the temporary's write and read are a small share (the torch-ops unpacking it replaces cost 0.86 s
 for a 32-token prefill of the 27B shape).
 
@@ -30,10 +33,14 @@ if triton is not None:
 MAX_ROWS = 256  # widths up to this run the W4A16 kernel; wider ones dequantize, then cuBLAS
 SELF_CHECK_TOL = 2e-2
 ALL = 1 << 20  # "K blocks per program": all of them (no split: the output is written once, in its dtype)
-# (BLOCK_N, K blocks per program, warps, stages); the first is the untimed default
-CONFIGS = [(64, 8, 4, 3), (128, 8, 4, 3), (128, 4, 4, 3), (64, 4, 4, 4), (128, 16, 8, 3), (256, 8, 8, 3),
-           (64, ALL, 4, 3), (32, 8, 4, 4)]
-_chosen: dict[tuple, tuple] = {}  # (N, K, group, bucket, device index) -> the timed configuration
+# (BLOCK_N, K blocks per program, warps, stages) per kernel; the first "dot" one is the untimed default
+CONFIGS = {
+    "dot": [(64, 8, 4, 3), (128, 8, 4, 3), (128, 4, 4, 3), (64, 4, 4, 4), (128, 16, 8, 3), (256, 8, 8, 3),
+            (64, ALL, 4, 3), (32, 8, 4, 4)],
+    "rows": [(64, 4, 4, 2), (128, 4, 4, 2), (64, 8, 4, 3), (128, 8, 8, 2), (256, 4, 8, 2), (32, 4, 4, 2)],
+}
+ROWS_MAX = 8  # the widths the CUDA-core kernel may serve (its cost grows with them)
+_chosen: dict[tuple, tuple] = {}  # (N, K, group, bucket, device index) -> the timed (kernel, configuration)
 
 
 def block_k(group_size: int, k: int) -> int | None:
@@ -88,6 +95,36 @@ if triton is not None:
         tl.store(P + (pk * M + m[:, None]) * N + n[None, :], acc.to(P.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
+    @triton.jit(do_not_specialize=["M"])
+    def _w4a16_rows(X, QW, Z, S, P, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s, KS: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The CUDA-core form for a few rows: each packed word's 8 nibbles are taken one shift at a time against
+        the 8 input rows they belong to (no [BLOCK_K, BLOCK_N] reshape, no padded dot), row after row."""
+        pn, pk = tl.program_id(0), tl.program_id(1)
+        n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_p = tl.arange(0, BLOCK_K // 8)
+        r = tl.arange(0, BLOCK_M)
+        n_ok = n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for b in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
+            k0 = b * BLOCK_K
+            rows = k0 // 8 + offs_p
+            packed = tl.load(QW + rows[:, None].to(tl.int64) * stride_q + n[None, :],
+                             mask=(rows < K // 8)[:, None] & n_ok[None, :], other=0)
+            g = k0 // GROUP
+            z = tl.load(Z + g * stride_z + n, mask=n_ok, other=0).to(tl.float32)
+            s = tl.load(S + g * stride_s + n, mask=n_ok, other=0).to(tl.float32)
+            for j in tl.static_range(8):  # nibble j of word i: input row k0 + 8i + j
+                w = (((packed >> (4 * j)) & 0xF).to(tl.float32) - z[None, :]) * s[None, :]
+                w = w.to(X.dtype.element_ty).to(tl.float32)  # rounded as the dequantized weight is
+                ks = k0 + offs_p * 8 + j
+                for m in range(M):  # a runtime loop: one row costs one row's multiply-adds
+                    x = tl.load(X + m * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
+                    part = tl.sum(w * x[:, None], 0)
+                    acc = tl.where(r[:, None] == m, acc + part[None, :], acc)
+        tl.store(P + (pk * M + r[:, None]) * N + n[None, :], acc.to(P.dtype.element_ty),
+                 mask=(r[:, None] < M) & n_ok[None, :])
+
     @triton.jit
     def _dequantize(QW, Z, S, W, N, K, GROUP, stride_q, stride_z, stride_s,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -108,19 +145,26 @@ if triton is not None:
         tl.store(W + n[None, :].to(tl.int64) * K + ks[:, None], w, mask=n_ok[None, :] & (ks < K)[:, None])
 
 
-def _launch(x2: torch.Tensor, qweight, zeros, scales, group: int, config) -> torch.Tensor:
+def _launch(x2: torch.Tensor, qweight, zeros, scales, group: int, choice) -> torch.Tensor:
+    """One (kernel, configuration): "dot" (tensor cores, any width) or "rows" (CUDA cores, up to ROWS_MAX)."""
+    kind, (block_n, ks, warps, stages) = choice
     M, K = x2.shape
     N = qweight.shape[1]
     bk = block_k(group, K)
-    block_n, ks, warps, stages = config
     blocks = triton.cdiv(K, bk)
     slices = triton.cdiv(blocks, min(ks, blocks))
-    block_m = 16 if M <= 16 else bucket(M)
     out, part = output(M, N, slices, x2)
-    _w4a16[(triton.cdiv(N, block_n), slices, triton.cdiv(M, block_m))](
-        x2, qweight, zeros, scales, part, M, N, K, K if group == -1 else group, x2.stride(0), qweight.stride(0),
-        zeros.stride(0), scales.stride(0), KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages)
+    args = (x2, qweight, zeros, scales, part, M, N, K, K if group == -1 else group, x2.stride(0), qweight.stride(0),
+            zeros.stride(0), scales.stride(0))
+    if kind == "rows":
+        _w4a16_rows[(triton.cdiv(N, block_n), slices)](*args, KS=min(ks, blocks), BLOCK_M=ROWS_MAX,
+                                                        BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps,
+                                                        num_stages=stages)
+    else:
+        block_m = 16 if M <= 16 else bucket(M)
+        _w4a16[(triton.cdiv(N, block_n), slices, triton.cdiv(M, block_m))](
+            *args, KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps,
+            num_stages=stages)
     return finish(part, out)
 
 
@@ -136,16 +180,32 @@ def dequantize(qweight, zeros, scales, group: int, dtype: torch.dtype) -> torch.
 
 
 def _config(M: int, N: int, K: int, group: int, device: torch.device) -> tuple:
-    return _chosen.get((N, K, group, bucket(M), device.index), CONFIGS[0])
+    return _chosen.get((N, K, group, bucket(M), device.index), ("dot", CONFIGS["dot"][0]))
 
 
 def tune(lin, rows: int) -> tuple:
-    """The fastest configuration for this weight at `rows` rows, remembered for its bucket."""
+    """The fastest (kernel, configuration) for this weight at `rows` rows, remembered for its bucket. Only
+    choices whose output agrees with the dot form's default are timed (that one install's self_check holds to
+    the dequantized weight): a kernel form this GPU or Triton version computes wrongly is never chosen."""
     K, N = lin.qweight.shape[0] * 8, lin.qweight.shape[1]
     key = (N, K, lin.group_size, bucket(rows), lin.qweight.device.index)
     if key not in _chosen:
         x = torch.randn(rows, K, device=lin.qweight.device, dtype=torch.bfloat16)
-        _chosen[key] = fastest(CONFIGS, lambda c: _launch(x, lin.qweight, lin.zeros, lin.scales, lin.group_size, c))
+
+        def run(choice):
+            return _launch(x, lin.qweight, lin.zeros, lin.scales, lin.group_size, choice)
+
+        ref = run(("dot", CONFIGS["dot"][0])).float()  # (not the float32 weight: 3 GB at the 27B shape's widest)
+
+        def agrees(choice):
+            try:
+                return relative_error(run(choice).float(), ref) <= SELF_CHECK_TOL
+            except Exception:  # (too much shared memory for this GPU, say: fastest() would skip it too)
+                return False
+
+        kinds = ("rows", "dot") if rows <= ROWS_MAX else ("dot",)
+        good = [(k, c) for k in kinds for c in CONFIGS[k] if agrees((k, c))] or [("dot", CONFIGS["dot"][0])]
+        _chosen[key] = fastest(good, run)
     return _chosen[key]
 
 
@@ -155,8 +215,8 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor, sca
     """x [M <= MAX_ROWS, K] (rows already in the weight's sorted order) times the 4-bit weight: [M, N]. The
     weight's tensors may be column slices of a fused projection's (their rows strided; columns contiguous)."""
     x = x.contiguous()
-    config = _config(x.shape[0], qweight.shape[1], x.shape[1], group, x.device)
-    return _launch(x, qweight, zeros, scales, group, config)
+    choice = _config(x.shape[0], qweight.shape[1], x.shape[1], group, x.device)
+    return _launch(x, qweight, zeros, scales, group, choice)
 
 
 @int4_linear.register_fake
@@ -215,8 +275,14 @@ def install(modules, device, dtype) -> str | None:
 
 def self_check(lin, dtype) -> float:
     """Relative error of the kernel against the float32 dequantized weight on random rows: 1, 5 and 40 rows, and
-    one more than MAX_ROWS (the dequantizing kernel)."""
+    one more than MAX_ROWS (the dequantizing kernel); over the first 256 output columns, so that the float32
+    reference stays small on a 24 GB GPU (the kernels read column slices as fused projections' parts are)."""
+    from .int4 import Int4Linear
+
+    c = min(lin.out_features, 256)
+    part = Int4Linear(lin.in_features, c, lin.qweight[:, :c], lin.zeros[:, :c], lin.scales[:, :c], lin.group_size,
+                      lin.perm)
     gen = torch.Generator(device=lin.qweight.device).manual_seed(0)
     x = torch.randn(MAX_ROWS + 1, lin.in_features, generator=gen, device=lin.qweight.device).to(dtype)
-    ref = x.float() @ lin.dequantized(torch.float32).T
-    return max(relative_error(forward(lin, x[:r]).float(), ref[:r]) for r in (1, 5, 40, MAX_ROWS + 1))
+    ref = x.float() @ part.dequantized(torch.float32).T
+    return max(relative_error(forward(part, x[:r]).float(), ref[:r]) for r in (1, 5, 40, MAX_ROWS + 1))

@@ -345,10 +345,15 @@ def test_w4a16_kernel_equals_the_dequantized_reference(triton_device, k, n, grou
     if rows <= int4_triton.MAX_ROWS:
         # rows do not depend on each other: under one configuration (each width bucket has its own, timed at
         # load) the first row alone rounds as it does in the batch, split into K slices or not
-        for config in (int4_triton.CONFIGS[0], (32, 1, 4, 2), (64, int4_triton.ALL, 4, 2)):
-            batch = int4_triton._launch(x[0], lin.qweight, lin.zeros, lin.scales, lin.group_size, config)
-            alone = int4_triton._launch(x[0, :1], lin.qweight, lin.zeros, lin.scales, lin.group_size, config)
-            assert torch.equal(alone, batch[:1])
+        xs = x[0] if lin.perm is None else x[0].index_select(1, lin.perm)
+        choices = [("dot", c) for c in (int4_triton.CONFIGS["dot"][0], (32, 1, 4, 2), (64, int4_triton.ALL, 4, 2))]
+        if rows <= int4_triton.ROWS_MAX:  # the CUDA-core form, split and unsplit
+            choices += [("rows", c) for c in (int4_triton.CONFIGS["rows"][0], (32, 1, 4, 2), (64, int4_triton.ALL, 4, 2))]
+        for choice in choices:
+            batch = int4_triton._launch(xs, lin.qweight, lin.zeros, lin.scales, lin.group_size, choice)
+            alone = int4_triton._launch(xs[:1], lin.qweight, lin.zeros, lin.scales, lin.group_size, choice)
+            assert torch.equal(alone, batch[:1]), choice
+            assert (batch.float() - ref[0]).abs().max().item() < 2e-2 * ref.abs().max().item(), choice
 
 
 def test_4_bit_projections_that_read_one_input_are_fused(int4_engine):
