@@ -296,7 +296,7 @@ def check_model_folder(args) -> None:
             model_dir(args.mtp_from)
         except EngineError as e:
             raise EngineError(f"--mtp-from {e}") from None
-    if getattr(args, "draft_model", None):
+    if getattr(args, "draft_model", None) and not args.draft_model.startswith("random:"):  # (bench's presets)
         from engine import model_dir
 
         try:
@@ -326,13 +326,14 @@ def add_think_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_draft_args(p: argparse.ArgumentParser, drafter: bool = True) -> None:
-    """--draft-model D (a separate, smaller model of the same tokenizer drafts) and --drafter mtp|draft."""
+    """--draft-model D (a separate, smaller model of the same tokenizer drafts) and --drafter mtp|draft|auto."""
     p.add_argument("--draft-model", metavar="D",
                    help="a smaller model of the same tokenizer (e.g. Qwen3-0.6B for Qwen3-Next) drafts the tokens "
                         "the model verifies; also MTPCHAT_DRAFT_MODEL")
     if drafter:
-        p.add_argument("--drafter", choices=["mtp", "draft"],
-                       help="with both an MTP head and --draft-model: which drafts (default: the draft model)")
+        p.add_argument("--drafter", choices=["mtp", "draft", "auto"],
+                       help="with both an MTP head and --draft-model: which drafts; auto (the default): each "
+                            "cycle the one with the higher measured tokens/s")
 
 
 def add_tp_arg(p: argparse.ArgumentParser) -> None:

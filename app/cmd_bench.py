@@ -46,9 +46,14 @@ def add_parser(sub) -> None:
     p.add_argument("--depths", type=depth_list, default=[0, 1, 2, 3, 4],
                    help=f"comma-separated speculation depths, each 0 .. {MAX_DEPTH} (default 0,1,2,3,4)")
     p.add_argument("--drafter", default="mtp,oracle",
-                   help="mtp, oracle, draft (comma-separated; draft: the --draft-model, added when it is given)")
+                   help="mtp, oracle, draft, auto (comma-separated; draft: the --draft-model, added when it is "
+                        "given; auto: both, chosen per cycle)")
     p.add_argument("--draft-model", metavar="D", help="a separate draft model of the same tokenizer: its rows beside "
-                                                      "the MTP head's and the oracle's")
+                                                      "the MTP head's and the oracle's; random:qwen3-0.6b or "
+                                                      "random:qwen3.5-0.8b: that shape with random weights and the "
+                                                      "target's vocabulary (its cost, at acceptance ~0)")
+    p.add_argument("--draft-layers", type=int_in(1, None),
+                   help="with --draft-model random:PRESET: keep only the draft's first N layers")
     p.add_argument("--acceptance", default="1.0,0.5,0", help="oracle acceptance rates (comma-separated)")
     p.add_argument("--acceptance-profile", metavar="P1,P2,..|changing",
                    help="also an oracle drafting as real MTP heads do: draft position i accepted with probability "
@@ -451,16 +456,23 @@ def _engine_flags(args) -> dict:
 def _engine(args, group=None) -> Engine:
     """What bench measures: a checkpoint, or random weights in a preset's shape; under --tp this rank's shard
     (CUDA graphs as on one GPU: the collectives are captured inside them)."""
-    from engine import Engine, load_engine, random_model
+    from engine import Engine, load_engine, presets, random_model
+    from engine.presets import RANDOM_DRAFT
 
     flags = _engine_flags(args)
     device = None if group else args.device  # under --tp each rank's device is the group's
+    random_draft = (args.draft_model or "").startswith(RANDOM_DRAFT)
     if not args.random_weights:
-        return load_engine(args.model, device, args.dtype, tp=group, draft_model=args.draft_model, **flags)
-    engine = Engine(random_model(args.random_weights, args.layers, device, args.dtype, group=group,
-                                 quant=args.quant), None, set(), **flags)
-    if args.draft_model:
-        engine.attach_draft(args.draft_model)
+        engine = load_engine(args.model, device, args.dtype, tp=group,
+                             draft_model=None if random_draft else args.draft_model, **flags)
+    else:
+        engine = Engine(random_model(args.random_weights, args.layers, device, args.dtype, group=group,
+                                     quant=args.quant), None, set(), **flags)
+        if args.draft_model and not random_draft:
+            engine.attach_draft(args.draft_model)
+    if random_draft:
+        engine.draft_drafter = presets.random_draft(args.draft_model, engine, args.draft_layers)
+        engine.attach_draft(None)  # (with an MTP head: both, for --drafter auto)
     return engine
 
 
@@ -482,17 +494,25 @@ def _drafters(args) -> list[str]:
 def _check_args(args) -> None:
     """Every flag, before anything slow (the model load, the workers, the measurements)."""
     from engine import PRESETS, EngineError
+    from engine.presets import DRAFT_PRESETS, RANDOM_DRAFT
 
     from .cli import check_model_folder
 
     _floats(args.acceptance, "--acceptance")
     acceptance_profile(args, args.max_new_tokens)
-    if any(d not in ("mtp", "oracle", "draft") for d in _drafters(args)):
-        raise EngineError(f"--drafter {args.drafter!r}: expected mtp, oracle, draft (comma-separated)")
-    if "draft" in _drafters(args) and not args.draft_model:
-        raise EngineError("--drafter draft: no draft model (pass --draft-model D)")
+    if any(d not in ("mtp", "oracle", "draft", "auto") for d in _drafters(args)):
+        raise EngineError(f"--drafter {args.drafter!r}: expected mtp, oracle, draft, auto (comma-separated)")
+    for d in ("draft", "auto"):
+        if d in _drafters(args) and not args.draft_model:
+            raise EngineError(f"--drafter {d}: no draft model (pass --draft-model D)")
     if args.draft_model and args.tp and args.tp > 1:
         raise EngineError("--draft-model with --tp: not with tensor parallelism yet")
+    if args.draft_model and args.draft_model.startswith(RANDOM_DRAFT):
+        if args.draft_model[len(RANDOM_DRAFT):] not in DRAFT_PRESETS:
+            raise EngineError(f"--draft-model {args.draft_model!r}: random draft presets are "
+                              f"{', '.join(RANDOM_DRAFT + d for d in DRAFT_PRESETS)}")
+    elif args.draft_layers:
+        raise EngineError("--draft-layers: only with --draft-model random:PRESET (a checkpoint's layers are its own)")
     if args.model and args.random_weights:
         raise EngineError("--model and --random-weights: give one or the other")
     if args.quant != "bf16" and not args.random_weights:
@@ -638,12 +658,55 @@ def prompt_rows(engine: Engine, args, prompt: list[int], add, with_modes: bool) 
                 make = lambda: OracleDrafter(reference, len(prompt), 0.0, trunk.config.vocab_size, seed=depth,  # noqa: E731
                                              **profile[1])
                 row(depth, profile[0], mode, measure(engine, prompt, depth, n, args.repeat, make, sampling))
+        if "auto" in drafters and engine.auto_drafter is not None:  # (its estimates carry over from run to run)
+            row(depth, engine.auto_drafter.name, mode, measure(engine, prompt, depth, n, args.repeat,
+                                                               lambda: engine.auto_drafter, sampling))
     for r in rows:
         same = r.pop("tokens") == reference
         r["identical_to_plain"] = same if sampling is None else None  # sampled texts differ by design
         r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
         r["commit_refresh_share"] = commit_refresh_share(r)
+        if r["drafter"].startswith("draft:"):
+            r["draft_cost"] = draft_cost(r, plain)
     return plain
+
+
+def break_even_acceptance(k: int, cycle_ms: float, plain_step_ms: float) -> float | None:
+    """The per-position acceptance a at which a depth-k cycle (expected tokens (1 - a^(k+1)) / (1 - a), i.e.
+    1 + a + ... + a^k) of cycle_ms matches plain decoding's rate, 1 / plain_step_ms: 0 when a cycle costs no
+    more than a plain step, None when even a = 1 (k + 1 tokens a cycle) loses. Bisection: the expected tokens
+    grow with a."""
+    from engine.autodepth import expected_tokens
+
+    need = cycle_ms / plain_step_ms  # tokens a cycle must commit to break even
+    if need <= 1.0:
+        return 0.0
+    if need > k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens([mid] * k, k) < need else (lo, mid)
+    return (lo + hi) / 2
+
+
+def draft_cost(r: dict, plain: dict) -> dict | None:
+    """A draft model's row (random weights draft at acceptance ~0, so its speed says little): its time per cycle
+    and share of the cycle (phase "draft" against the rest, "verify" first), a draft step against the target's
+    plain step, and the break-even acceptance. A cycle's wall time comes from the row's own rate (tokens per
+    cycle / tokens per second: every phase, the host's too), as plain's step does from plain's."""
+    k, ph = r["depth"], r["phase_ms"]
+    if not isinstance(k, int) or not k or not r["tokens_per_s"] or not plain["tokens_per_s"]:
+        return None  # (--depth auto: no one k to solve for)
+    cycle_ms = 1e3 * r["mean_accepted_length"] / r["tokens_per_s"]
+    plain_step = 1e3 / plain["tokens_per_s"]
+    draft_ms = ph.get("draft", 0.0)
+    step = draft_ms / k
+    # cycle = k draft steps + verify_k (the verify pass and the accept / commit around it)
+    return {"draft_ms_per_cycle": draft_ms, "verify_ms_per_cycle": ph.get("verify", 0.0), "cycle_ms": cycle_ms,
+            "draft_share_of_cycle": draft_ms / cycle_ms if cycle_ms else None, "draft_step_ms": step,
+            "plain_step_ms": plain_step, "draft_step_vs_plain_step": step / plain_step,
+            "break_even_acceptance": break_even_acceptance(k, cycle_ms, plain_step)}
 
 
 def format_table(res: dict) -> str:
@@ -662,6 +725,12 @@ def format_table(res: dict) -> str:
             ph += f"  commit+refresh {100 * r['commit_refresh_share']:.0f}% of the cycle"
         if r.get("priming_ms"):
             ph += f"  priming {r['priming_ms']:.1f} ms"
+        cost = r.get("draft_cost")
+        if cost:
+            even = cost["break_even_acceptance"]
+            ph += (f"  draft {cost['draft_ms_per_cycle']:.2f} ms = {100 * cost['draft_share_of_cycle']:.0f}% of the "
+                   f"{cost['cycle_ms']:.2f} ms cycle, a step {cost['draft_step_vs_plain_step']:.2f}x plain's; "
+                   f"break-even acceptance {'never' if even is None else f'{even:.2f}'}")
         lines.append(f"{r['prompt_tokens']:>7} {r['depth']:>5} {r['drafter']:<12} {r.get('mode', ''):<6} "
                      f"{r['prefill_tokens_per_s'] or 0:>9.0f} {r['ttft_ms']:>8.1f} {r['tokens_per_s']:>9.1f} "
                      f"{r['speedup'] or 0:>7.2f}x {r['acceptance_rate']:>7.2f} {r['mean_accepted_length']:>8.2f} "

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 from textual.screen import ModalScreen
 
 from .downloads import DownloadJob
 from .screens import HelpScreen, ModelPickerScreen, SettingsScreen
 from .settings import Settings
-from .worker import Stop, SwitchModel
+from .worker import DRAFT_ENV, Stop, SwitchModel
 
 
 class Dialogs:
@@ -27,15 +29,19 @@ class Dialogs:
             self.push_screen(HelpScreen())
 
     def action_models(self) -> None:
+        picker = ModelPickerScreen(self.model_path or self.model_name, device=self.device,
+                                   draft=os.environ.get(DRAFT_ENV) or None)
+
         def chosen(path: str | None) -> None:
             if path is None:
                 return
             if self.request is not None:
                 self.worker.submit(Stop())
             self._picked_model = path  # remembered in the settings once it has loaded
-            self.worker.submit(SwitchModel(path))
+            # none (""): the model's MTP head, or plain decoding
+            self.worker.submit(SwitchModel(path, draft=picker.draft or ""))
 
-        self.push_screen(ModelPickerScreen(self.model_path or self.model_name, device=self.device), chosen)
+        self.push_screen(picker, chosen)
 
     def start_download(self, ref: str, yes: bool = False) -> DownloadJob | None:
         """A model download (F5 → Download) in a child process: the chat, and a reply in progress, go on."""
@@ -53,6 +59,7 @@ class Dialogs:
         """Done: switched to, when the picker is open (the user is choosing a model); else offered."""
         if job.state == "done" and job.path:
             if isinstance(self.screen, ModelPickerScreen):
+                self.screen.draft = None  # (the draft list is the highlighted model's, not the download's)
                 self.screen.dismiss(job.path)  # the picker's own path: SwitchModel
             else:
                 self.notify(f"Downloaded {job.ref}: f5 switches to it")

@@ -244,9 +244,14 @@ def _cell(value) -> Text:
     return Text(terminal_safe(str(value)))
 
 
+NO_DRAFT = "none"  # the draft list's first entry: no draft model (the model's MTP head, or plain decoding)
+
+
 class ModelPickerScreen(Dialog):
     """Discovered models (``engine.discover``) plus a path field; returns the chosen path. The Download tab
-    lists the catalogue and runs the app's download (app/downloads.py); a finished one is returned the same way."""
+    lists the catalogue and runs the app's download (app/downloads.py); a finished one is returned the same way.
+    The draft list offers the highlighted model's draft models (discovery's pairs, ``Candidate.drafts``) or none;
+    the pick is ``self.draft`` (a path or None) beside the returned path."""
 
     # f9 / ctrl+page keys switch the tabs: keys no widget here uses and the app does not bind (its f1-f7 are
     # priority bindings; f5 again once raced with them)
@@ -255,9 +260,11 @@ class ModelPickerScreen(Dialog):
                 Binding("f9,ctrl+pagedown,ctrl+pageup", "switch_tab", "Installed / Download", priority=True)]
 
     def __init__(self, current: str | None = None, discover: Callable[[], list] | None = None,
-                 device: str | None = None):
+                 device: str | None = None, draft: str | None = None):
         super().__init__()
         self.current = current
+        self.draft_loaded = draft  # the loaded draft model's path: preselected where the highlighted model pairs with it
+        self.draft: str | None = None
         self._discover = discover
         self._device = device
         self.candidates: list = []
@@ -276,6 +283,9 @@ class ModelPickerScreen(Dialog):
                     table.add_columns("name", "family", "params", "MTP", "fits", "context fits", "status")
                     yield table
                     yield Label("searching…", id="models-status")
+                    with Horizontal(id="models-draft-row"):
+                        yield Label("draft model:")
+                        yield Select([(NO_DRAFT, NO_DRAFT)], value=NO_DRAFT, allow_blank=False, id="models-draft")
                     yield Label("or a model folder (HF layout):")
                     yield Input(placeholder="/path/to/checkpoint", id="models-path")
                     with Horizontal(classes="buttons"):
@@ -333,6 +343,20 @@ class ModelPickerScreen(Dialog):
         else:
             status.update(f"{len(candidates)} model(s) found — enter loads the highlighted one")
 
+    @on(DataTable.RowHighlighted, "#models-table")
+    def _offer_drafts(self, event: DataTable.RowHighlighted) -> None:
+        """The draft list follows the highlighted model: none, then its drafts (smallest first)."""
+        candidate = self.candidates[int(event.row_key.value)]
+        drafts = [str(d) for d in getattr(candidate, "drafts", None) or []]
+        select = self.query_one("#models-draft", Select)
+        select.set_options([(NO_DRAFT, NO_DRAFT)] + [(terminal_safe(Path(d).name), d) for d in drafts])
+        select.value = self.draft_loaded if self.draft_loaded in drafts else NO_DRAFT
+        self.draft = None if select.value == NO_DRAFT else select.value
+
+    @on(Select.Changed, "#models-draft")
+    def _draft_chosen(self, event: Select.Changed) -> None:
+        self.draft = None if event.value in (NO_DRAFT, Select.BLANK) else str(event.value)
+
     @on(DataTable.RowSelected, "#models-table")
     def _pick(self, event: DataTable.RowSelected) -> None:
         candidate = self.candidates[int(event.row_key.value)]
@@ -347,6 +371,7 @@ class ModelPickerScreen(Dialog):
     def _load(self) -> None:
         path = self.query_one("#models-path", Input).value.strip()
         if path:
+            self.draft = None  # (the draft list is the highlighted model's, not a typed folder's)
             self.dismiss(path)
             return
         table = self.query_one("#models-table", DataTable)

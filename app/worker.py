@@ -16,6 +16,7 @@ follows, WarmupProgress reports each step and WarmedUp ends it. A Generate submi
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -54,9 +55,13 @@ class SetDepth:
     depth: int
 
 
+DRAFT_ENV = "MTPCHAT_DRAFT_MODEL"  # load_engine's default draft model (`mtpchat chat --draft-model` sets it)
+
+
 @dataclass
 class SwitchModel:
     model: str | None
+    draft: str | None = None  # its draft model's path, "" for none (the model picker); None: as it was
 
 
 @dataclass
@@ -270,7 +275,7 @@ class EngineWorker:
             if isinstance(command, Generate):
                 deferred += self._generate(command)
             elif isinstance(command, SwitchModel):
-                self._switch(command.model)
+                self._switch(command.model, command.draft)
             # Stop / SetDepth while idle: nothing to do (the next Generate carries the depth)
         self._close()
 
@@ -282,9 +287,10 @@ class EngineWorker:
                 log.exception("engine.close failed")
             self.engine = None
 
-    def _load(self, model: str | None, previous: Any = _NOTHING) -> None:
-        """Load ``model``; if that fails and ``previous`` names the model that was loaded, reload it. Either way
-        a loaded model is then warmed up (on CUDA) before it is ready."""
+    def _load(self, model: str | None, previous: Any = _NOTHING, previous_draft: str | None = None) -> None:
+        """Load ``model``; if that fails and ``previous`` names the model that was loaded, reload it, with the
+        draft model it had (``previous_draft``: a draft that failed to load must not fail the way back). Either
+        way a loaded model is then warmed up (on CUDA) before it is ready."""
         started = time.perf_counter()
         first_run = paths.kernel_cache_empty()  # before the load: it may compile kernels itself
         self.post(EngineLoading(model))
@@ -297,6 +303,8 @@ class EngineWorker:
             self.engine = None
             kept = None
             if previous is not _NOTHING:
+                if previous_draft is not None:
+                    os.environ[DRAFT_ENV] = previous_draft
                 try:  # go back to the model that worked
                     self.engine = self.loader(previous, self.device, self.dtype)
                     kept = self.engine.info.name
@@ -351,10 +359,13 @@ class EngineWorker:
             log.warning("engine.diagnostics failed", exc_info=True)
             return None
 
-    def _switch(self, model: str | None) -> None:
+    def _switch(self, model: str | None, draft: str | None = None) -> None:
         previous = self.model if self.engine is not None else _NOTHING
+        previous_draft = os.environ.get(DRAFT_ENV, "")
         self._close()  # free its memory before loading the next one
-        self._load(model, previous)
+        if draft is not None:  # (the loaders read it, as they read `chat --draft-model`'s)
+            os.environ[DRAFT_ENV] = draft
+        self._load(model, previous, previous_draft)
 
     def _drain(self, control=None) -> list[Command]:
         """Take the queued commands: Stop / SetDepth go to the running request (dropped when there is none),

@@ -18,7 +18,7 @@ from .context import Fitted, check_max_context, context_info, context_limit, fit
 from .drafters import MTPDrafter
 from .errors import EngineError
 from .events import FORCED, TARGET, Fallback, Finished, Started, Tokens
-from .autodepth import DepthChooser
+from .autodepth import AutoDrafter, DepthChooser, drafter_cycles
 from .limits import AUTO, AUTO_MAX_DEPTH, MAX_DEPTH, MAX_NEW_TOKENS, SEED_MAX, SEED_MIN
 from .model import TRITON_MIN_CAPACITY, Loaded, load
 from .reasoning import ThinkingInfo, ReplyParts, last_open, reasoning_apart, thinking_info
@@ -128,16 +128,12 @@ class Engine:
         self.caches = self.trunk.new_caches()
         self.mtp_drafter = MTPDrafter(loaded.mtp) if loaded.mtp is not None else None
         self.draft_drafter = None  # a separate draft model (attach_draft, --draft-model)
-        self.drafter_choice = None  # "mtp" | "draft" | None: the draft model when there is one, else the MTP head
+        self.auto_drafter = None  # both, chosen per cycle (--drafter auto; attach_draft)
+        self.drafter_choice = None  # "mtp" | "draft" | "auto" | None: auto when both exist, else the one there is
         self.turns = TurnCache()
         self.graph_runner = None
         if cuda_graphs is None:
             cuda_graphs = self.trunk.device.type == "cuda" and os.environ.get("MTPCHAT_CUDA_GRAPHS", "1") != "0"
-        if cuda_graphs and self.caches.window is not None:
-            # the rotating ring's rollback is driven from the host (rotating_cache.py): no graph-mode form yet
-            cuda_graphs = False
-            loaded.fallbacks.append(Fallback("cuda_graphs", "sliding-window layers run eagerly (their rotating "
-                                                            "KV cache has no graph-mode form yet)"))
         if cuda_graphs:
             from .graphs import GraphRunner, StepGraphs
 
@@ -226,26 +222,31 @@ class Engine:
 
     def attach_draft(self, path: str | None, choice: str | None = None) -> None:
         """Use the model at `path` as the drafter (draft_model.py; EngineError, one line, when it cannot draft
-        for this model). choice: "mtp" or "draft" when both exist (default: the draft model); None path: only
-        the choice changes."""
-        if choice not in (None, "mtp", "draft"):
-            raise EngineError(f"--drafter {choice!r}: expected mtp or draft")
+        for this model). choice: "mtp", "draft" or "auto" (each cycle the one expected to be faster,
+        autodepth.AutoDrafter; the default when both exist); None path: only the choice changes."""
+        if choice not in (None, "mtp", "draft", "auto"):
+            raise EngineError(f"--drafter {choice!r}: expected mtp, draft or auto")
         if path is not None:
             from .draft_model import load_draft
 
             self.draft_drafter = load_draft(path, self)
-        if choice == "draft" and self.draft_drafter is None:
-            raise EngineError("--drafter draft: no draft model (pass --draft-model PATH)")
-        if choice == "mtp" and self.mtp_drafter is None:
-            raise EngineError(f"--drafter mtp: {self.loaded.name} has no MTP head")
+            self.auto_drafter = None
+        if choice in ("draft", "auto") and self.draft_drafter is None:
+            raise EngineError(f"--drafter {choice}: no draft model (pass --draft-model PATH)")
+        if choice in ("mtp", "auto") and self.mtp_drafter is None:
+            raise EngineError(f"--drafter {choice}: {self.loaded.name} has no MTP head")
+        if self.auto_drafter is None and self.mtp_drafter is not None and self.draft_drafter is not None:
+            self.auto_drafter = AutoDrafter(self.mtp_drafter, self.draft_drafter)
         self.drafter_choice = choice
 
     def default_drafter(self):
-        """The drafter a request gets when it names none: --drafter's choice, else the draft model when there is
-        one, else the MTP head (None: plain decoding)."""
+        """The drafter a request gets when it names none: --drafter's choice, else both chosen per cycle
+        (AutoDrafter) when there are both, else the one there is (None: plain decoding)."""
         if self.drafter_choice == "mtp" or self.draft_drafter is None:
             return self.mtp_drafter
-        return self.draft_drafter
+        if self.drafter_choice == "draft" or self.auto_drafter is None:
+            return self.draft_drafter
+        return self.auto_drafter
 
     def fallbacks(self, settings: GenerationSettings, drafter) -> list[Fallback]:
         out = [f for f in self.loaded.fallbacks if f.feature != "speculation"]
@@ -364,6 +365,8 @@ class Engine:
                         chooser.observe(stats.depth, stats.accepted_per_position, ms)
                         stats.why = chooser.why
                         chosen[stats.depth] = chosen.get(stats.depth, 0) + 1
+                    if stats.drafted and getattr(drafter, "note", None):  # --drafter auto: which drafted, why
+                        stats.why = f"{drafter.note}; {stats.why}" if stats.why else drafter.note
                     yield stats
                     yield Tokens(out, sources, "".join(pieces), pieces, labels)
                     if parts.over_budget(req):
@@ -508,7 +511,8 @@ class Engine:
                        getattr(self.draft_drafter, "graphs", None)):
             if graphs is not None:
                 graphs.reset()  # (a captured step's closure holds the drafter)
-        self.graph_runner = self.caches = self.mtp_drafter = self.draft_drafter = self.turns = None
+        self.graph_runner = self.caches = self.mtp_drafter = self.draft_drafter = self.auto_drafter = None
+        self.turns = None
         self.trunk = self.loaded = None
 
 
@@ -592,6 +596,7 @@ def request_stats(req: Request, settings, control, drafter, start: int, ttft: fl
         "phase_ms": dict(timer.totals),
         "parts": parts.to_json(),
         "auto_depths": {str(k): n for k, n in sorted(chosen.items())},  # --depth auto: cycles per depth
+        "drafter_cycles": drafter_cycles(req, drafter),  # cycles each drafter drafted (--drafter auto: both)
     }
 
 

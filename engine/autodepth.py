@@ -7,11 +7,19 @@ per position as a running mean of the cycles' flags, the cost per depth as a run
 (a depth not tried yet is extrapolated from those that were: verify widths cost nearly alike, each draft step
 adds). Depth 0 (plain decoding) wins when acceptance is low or drafting dear; every PROBE_EVERY cycles at depth 0
 one cycle drafts a single token, so a reply whose text becomes predictable again gets speculation back.
+
+`--drafter auto` (AutoDrafter, DrafterChooser) reuses these estimates, one DepthChooser per drafter: each cycle the
+MTP head or the draft model, whichever has the higher expected tokens per second at the cycle's depth.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+
+import torch
+
+from .limits import MAX_DEPTH
 
 PRIOR_ACCEPTANCE = 0.6  # before any cycle: what released MTP heads reach at the first position, roughly
 WEIGHT = 0.15  # running means: the weight of the newest cycle (about the last 7 cycles count)
@@ -40,9 +48,14 @@ class DepthChooser:
     cost: dict[int, float] = field(default_factory=dict)  # depth -> running mean of a cycle's wall ms
     since_probe: int = 0
     why: str = ""
+    # the first cycles as a plain mean with the prior counted once (weight 1 / (n + 1), down to WEIGHT): one
+    # drafter's estimate moves only while it drafts, so a loser's first cycles must count fully (--drafter auto)
+    mean_first: bool = False
+    judged: list[int] = field(default_factory=list)  # cycles that judged each position
 
     def __post_init__(self):
         self.acceptance = [PRIOR_ACCEPTANCE] * self.max_depth
+        self.judged = [0] * self.max_depth
 
     def costs(self) -> list[float]:
         """c_k for every k: measured, or a line through the measured ones (two points), or the one measured
@@ -57,24 +70,173 @@ class DepthChooser:
             step = max((c1 - c0) / (k1 - k0), 0.0)
         return [self.cost.get(k, c0 + step * (k - k0)) for k in range(self.max_depth + 1)]
 
+    def rate(self, k: int, costs: list[float] | None = None) -> float:
+        """Expected tokens per second of a depth-k cycle (the running estimates)."""
+        costs = costs or self.costs()
+        return expected_tokens(self.acceptance, k) / max(costs[k], 1e-6) * 1e3
+
     def pick(self) -> int:
         costs = self.costs()
         k = best_depth(self.acceptance, costs)
         self.since_probe = self.since_probe + 1 if k == 0 else 0
-        rates = ", ".join(f"{j}: {expected_tokens(self.acceptance, j) / costs[j] * 1e3:.0f}"
-                          for j in range(len(costs)))
+        rates = ", ".join(f"{j}: {self.rate(j, costs):.0f}" for j in range(len(costs)))
         self.why = f"expected tok/s by depth {rates}"
         if k == 0 and self.since_probe >= PROBE_EVERY:  # has the text become predictable again?
             self.since_probe, k = 0, 1
             self.why += "; probing depth 1"
         return k
 
-    def observe(self, depth: int, accepted: list[bool], ms: float) -> None:
-        """One cycle: its depth, its per-position flags (Cycle.accepted_per_position) and its wall time."""
+    def observe(self, depth: int, accepted: list[bool], ms: float | None) -> None:
+        """One cycle: its depth, its per-position flags (Cycle.accepted_per_position) and its wall time (None:
+        not a cost to go by)."""
         old = self.cost.get(depth)
-        self.cost[depth] = ms if old is None else old + WEIGHT * (ms - old)
+        if ms is not None:
+            self.cost[depth] = ms if old is None else old + WEIGHT * (ms - old)
         for i, flag in enumerate(accepted):  # position i was judged: i == 0 or i - 1 was accepted
             if i < self.max_depth:
-                self.acceptance[i] += WEIGHT * (float(flag) - self.acceptance[i])
+                self.judged[i] += 1
+                w = max(WEIGHT, 1.0 / (self.judged[i] + 1)) if self.mean_first else WEIGHT
+                self.acceptance[i] += w * (float(flag) - self.acceptance[i])
             if not flag:
                 break
+
+
+# --- --drafter auto: the MTP head or the draft model, whichever is expected to be faster --------------------------
+
+
+class DrafterChooser:
+    """One DepthChooser per drafter (its acceptance per position, its cost per depth: the same estimates as
+    --depth auto's), and per cycle the drafter with the higher expected tokens per second at the cycle's depth.
+    A drafter with no cost yet drafts first (each gets estimates); then the loser drafts one cycle in every
+    PROBE_EVERY, so that one whose drafts become acceptable again (another kind of text) gets the cycles back."""
+
+    def __init__(self, names: list[str], max_depth: int = MAX_DEPTH):
+        self.estimates = {n: DepthChooser(max_depth, mean_first=True) for n in names}
+        self.since_probe = 0
+        self.why = ""
+        self.warm: set = set()  # (drafter, depth) pairs past their first cycle
+
+    def observe(self, name: str, depth: int, accepted: list[bool], ms: float) -> None:
+        """A drafter's cycle. The first at each depth counts for acceptance only: it pays one-time costs
+        (allocations, kernels' first calls, graph captures) that would stick to a drafter not drafting again."""
+        first = (name, depth) not in self.warm
+        self.warm.add((name, depth))
+        self.estimates[name].observe(depth, accepted, None if first else ms)
+
+    def pick(self, k: int) -> str:
+        untried = [n for n, e in self.estimates.items() if not e.cost]
+        if untried:
+            self.why = f"drafter {untried[0]}: no estimate yet"
+            return untried[0]
+        rates = {n: e.rate(k) for n, e in self.estimates.items()}
+        name, probe = max(rates, key=rates.get), ""
+        self.since_probe += 1
+        if self.since_probe >= PROBE_EVERY:  # has the loser's text become predictable again?
+            self.since_probe, name, probe = 0, min(rates, key=rates.get), " (probing the slower)"
+        self.why = (f"drafter {name}{probe}: expected tok/s at depth {k} "
+                    + ", ".join(f"{n} {r:.0f}" for n, r in rates.items()))
+        return name
+
+
+class AutoDrafter:
+    """--drafter auto: the MTP head and a draft model behind the one drafter interface, chosen per cycle by
+    DrafterChooser. Per cycle, not per request: a probe costs one cycle, not a reply, and a reply whose text turns
+    easier for the other drafter switches within it; the engine keeps one drafter (the turn cache's snapshots,
+    the reuse across turns stay valid).
+
+    Both stay in step with the committed sequence: each sees every prefill and commit (the head keeps the
+    trunk's hiddens to run over, the draft settles only a chain of its own); the one that did not draft catches
+    up when it next drafts, off the clock (a switch's catch-up is not what a cycle of it costs). A cycle's cost
+    is its wall time from the proposal to its commit. The head's refresh inside greedy verify graphs
+    (MTPDrafter.refresh_verified) is not used here: with CUDA graphs its refresh is a launch of its own."""
+
+    def __init__(self, mtp, draft):
+        self.mtp, self.draft = mtp, draft
+        self.members = {mtp.name: mtp, draft.name: draft}
+        self.name = f"auto({mtp.name}, {draft.name})"
+        self.chooser = DrafterChooser(list(self.members))
+        self.proposed = None  # (name, k, start time, why) of the proposal not committed yet
+        self.judging = None  # the same, between a commit's keep and its observe_kept
+        self.previous = None  # the drafter of the last proposal
+        self.note = None  # the drafter of the last committed cycle that drafted, and why
+        self.req, self.tally = None, {}  # the request drafted for, and its cycles per drafter
+
+    # the turn cache snapshots and restores the head's position (reuse.py): the draft re-checks its own state
+    # against the committed sequence at each request (DraftModelDrafter._check)
+    cache = property(lambda self: self.mtp.cache)
+    covered = property(lambda self: self.mtp.covered, lambda self, v: setattr(self.mtp, "covered", v))
+    pending = property(lambda self: self.mtp.pending, lambda self, v: setattr(self.mtp, "pending", v))
+    ready = property(lambda self: self.mtp.ready, lambda self, v: setattr(self.mtp, "ready", v))
+    # (api.Engine.start_from reserves a request's room up front when a drafter replays graphs)
+    graphs = property(lambda self: self.mtp.graphs if self.mtp.graphs is not None else self.draft.graphs)
+
+    def reserve(self, n: int) -> None:
+        """Room up to the head's position + n in both (api.Engine.start_from)."""
+        end = self.mtp.covered + n
+        self.mtp.reserve(n)
+        self.draft.reserve(max(end - self.draft.covered, 0))
+
+    def reset(self) -> None:
+        self.mtp.reset()
+        self.draft.reset()
+        self.proposed = self.judging = self.previous = None
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        self.mtp.observe(hidden)
+        self.draft.observe(hidden)
+
+    def prime(self, seq_tokens: torch.Tensor, upto: int) -> None:
+        self.mtp.prime(seq_tokens, upto)
+        self.draft.prime(seq_tokens, upto)
+
+    def keep(self, hidden: torch.Tensor):
+        self.judging, self.proposed = self.proposed, None
+        return self.mtp.keep(hidden), self.draft.keep(hidden), hidden.shape[1]
+
+    def observe_kept(self, kept) -> None:
+        head, draft, rows = kept
+        self.mtp.observe_kept(head)
+        self.draft.observe_kept(draft)
+        judged, self.judging = self.judging, None
+        if judged is None:  # (a plain step; it may run ahead of the drafted cycle before it: note stays that one's)
+            return
+        name, k, t0, why = judged
+        m = rows - 1  # drafts accepted
+        self.chooser.observe(name, k, [True] * m + [False] * (m < k), (time.perf_counter() - t0) * 1e3)
+        self.tally[name] = self.tally.get(name, 0) + 1
+        self.note = why
+
+    def rollback(self) -> None:
+        self.mtp.rollback()
+        self.draft.rollback()
+        if self.judging is None:  # a dropped cycle (not a commit's rollback between keep and observe_kept)
+            self.proposed = None
+
+    def propose(self, seq_tokens: torch.Tensor, k: int, timer, req=None):
+        if req is not self.req:
+            self.req, self.tally = req, {}
+        name = self.chooser.pick(k)
+        d = self.members[name]
+        if name != self.previous:  # a switch: catch up on what the other drafted, off the clock
+            L = seq_tokens.shape[0]
+            if d is self.draft:
+                with timer.phase("draft"):
+                    d.prime(seq_tokens, L - 1)
+            else:
+                with timer.phase("refresh"):
+                    d.catch_up(seq_tokens)
+            if seq_tokens.is_cuda:
+                torch.cuda.synchronize(seq_tokens.device)
+        self.previous = name
+        t0 = time.perf_counter()
+        out = d.propose(seq_tokens, k, timer, req)
+        self.proposed = (name, k, t0, self.chooser.why)
+        return out
+
+
+def drafter_cycles(req, drafter) -> dict:
+    """Finished.stats' drafter_cycles: how many of the request's cycles each drafter drafted."""
+    if isinstance(drafter, AutoDrafter):
+        return dict(drafter.tally) if drafter.req is req else {}
+    n = req.per_position[0][0] if req.per_position else 0  # (cycles that drafted judge position 0)
+    return {drafter.name: n} if drafter is not None and n else {}

@@ -46,7 +46,8 @@ class DraftModelDrafter:
         self.name = f"draft:{loaded.name}"
         self.caches = self.trunk.new_caches()
         # greedy chains as one graph per (first width, k) (graphs.StepGraphs; on the CPU its stand-in): at batch 1
-        # a small draft's steps are launch-bound. Not for sliding-window drafts (their ring is host-driven).
+        # a small draft's steps are launch-bound. Not for sliding-window drafts: a chain's later steps would have
+        # to read the entries a graph-mode pass leaves in the ring's record (rotating_cache.py), not in the ring.
         self.graphs = None
         if graphs and self.caches.window is None:
             from .graphs import StepGraphs
@@ -55,6 +56,15 @@ class DraftModelDrafter:
         self.seen = torch.empty(0, dtype=torch.long, device=self.trunk.device)  # tokens the caches hold
         self.chain: Chain | None = None
         self.req = None  # the request the last proposal served (its committed prefix is checked once per request)
+
+    @classmethod
+    def for_target(cls, loaded, target) -> "DraftModelDrafter":
+        """The drafter for `target` (an Engine): CUDA graphs where the target has them, and the target's compiled
+        layers under --compile (one compiled function, recompiled per layer shape), so that the draft's small
+        kernels fuse as the target's do: on the H200 a 0.6B-shape draft step took 2.4 ms uncompiled, 14% of the
+        27B shape's step."""
+        loaded.trunk.compiled_block = target.trunk.compiled_block
+        return cls(loaded, graphs=target.graph_runner is not None)
 
     # -- committed state ------------------------------------------------------------------------------------------
 
@@ -215,7 +225,7 @@ def load_draft(path, target) -> DraftModelDrafter:
     except EngineError as e:
         raise EngineError(f"--draft-model: {e}") from None
     check_pair(loaded, load_tokenizer(Path(loaded.path)), target)
-    return DraftModelDrafter(loaded, graphs=target.graph_runner is not None)
+    return DraftModelDrafter.for_target(loaded, target)
 
 
 def check_pair(draft, draft_tokenizer, target) -> None:

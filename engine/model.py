@@ -118,8 +118,9 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, 
     k = attn.k_norm(k.reshape(B, T, -1, hd)).transpose(1, 2)
     v = v.reshape(B, T, -1, hd).transpose(1, 2)
     q, k = apply_rope(q, k, cos, sin)
-    if values is None:  # a sliding-window layer: `keys` is its ring (rotating_cache.RingLayer)
-        o = keys.attend(q, k, v, attn.scaling)
+    if values is None:  # a sliding-window layer: `keys` is its ring (rotating_cache.RingLayer); in graph mode over
+        # the masked form, as full attention's below (a few queries: SDPA's fused kernels cost like a prefill)
+        o = keys.attend(q, k, v, attn.scaling, None if isinstance(pos, int) else masked_decode_attention)
     elif isinstance(pos, int):
         keys, values = kv_write(keys, values, pos, k, v)
         o = causal_attention(q, keys, values, pos, attn.scaling)
@@ -450,10 +451,8 @@ class Trunk:
         if chain and not caches.stash.fits(caches.n_gdn, chain + T, self.dtype, self.device):
             raise RuntimeError(f"a chained step past the verify stash's {caches.stash.key[1]} rows")
         stash = caches.stash_for(chain + T, self) if verify else None
-        if caches.window is not None:
-            if not isinstance(pos, int):  # (the engine runs sliding-window models eagerly: api.Engine)
-                raise RuntimeError("sliding-window layers have no graph-mode attention")
-            caches.window.begin(pos, T, speculative=verify)
+        if caches.window is not None:  # (pos: an int, or in graph mode the positions [T] on the device)
+            caches.window.begin(pos, T, speculative=verify, chained=chain > 0)
         step = self.layer_step(pos)
         for layer, kind, slot in zip(self.layers, self.kinds, self.slots):
             if kind == "linear_attention":

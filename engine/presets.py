@@ -33,11 +33,27 @@ PRESETS = {
         num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=0,
         tie_word_embeddings=False)),
+    # draft models' shapes (--draft-model random:PRESET; random_draft builds them with the target's vocabulary)
+    # Qwen3-0.6B (dense, tied embeddings)
+    "qwen3-0.6b": ("qwen3", dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # Qwen3.5-0.8B's trunk (REFERENCES.md: 24 layers, hidden 1024, tied embeddings; 3 GDN : 1 attention)
+    "qwen3.5-0.8b": ("qwen3_5_text", dict(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+        max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})),
 }
+DRAFT_PRESETS = ("qwen3-0.6b", "qwen3.5-0.8b")  # (no MTP head: they draft, they are not drafted for)
+RANDOM_DRAFT = "random:"  # --draft-model random:PRESET
 
 
-def preset_config(preset: str, layers: int | None):
-    """(family, text config, raw config dict) of a preset, optionally cut to its first `layers` layers."""
+def preset_config(preset: str, layers: int | None, vocab_size: int | None = None):
+    """(family, text config, raw config dict) of a preset, optionally cut to its first `layers` layers;
+    vocab_size: another vocabulary (a draft's is its target's)."""
     if preset not in PRESETS:
         raise EngineError(f"--random-weights {preset!r}: presets are {', '.join(PRESETS)}")
     model_type, kw = PRESETS[preset]
@@ -46,7 +62,9 @@ def preset_config(preset: str, layers: int | None):
         if layers < 1:
             raise EngineError("--layers must be at least 1")
         kw["num_hidden_layers"] = layers
-    kw["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+    if vocab_size is not None:
+        kw["vocab_size"] = vocab_size
+    kw["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 or model_type == "qwen3" else "linear_attention"
                          for i in range(kw["num_hidden_layers"])]
     family = SUPPORTED[model_type]
     return family, family.text_config({"model_type": model_type, **kw}), {"model_type": model_type, **kw}
@@ -81,15 +99,16 @@ def plant_next_token_map(embed: torch.Tensor, lm_head: torch.Tensor, rows: tuple
 
 
 def random_model(preset: str, layers: int | None, device: str | None, dtype: str | None, seed: int = 0,
-                 group=None, quant: str = "bf16") -> Loaded:
+                 group=None, quant: str = "bf16", vocab_size: int | None = None) -> Loaded:
     """Random weights in a preset's shape. group (a tp.TPGroup): this rank's shard only, on the group's device;
     the replicated tensors (embedding, norms, routers, the MTP fc) are broadcast from rank 0 so every rank
     computes the same thing. quant "fp8": the linears Qwen's FP8 releases quantize become block-128 FP8
     (fp8.quantize_linears) and the routed experts FP8 (fp8.quantize_experts), the MTP head's too, as FP8
-    checkpoints load."""
+    checkpoints load. The draft presets (DRAFT_PRESETS) get no MTP head; vocab_size: see preset_config."""
     from .mtp import MTPHead
 
-    family, cfg, kw = preset_config(preset, layers)
+    family, cfg, kw = preset_config(preset, layers, vocab_size)
+    with_mtp = preset not in DRAFT_PRESETS
     plan = None
     if group is not None:
         from .tp import ShardPlan
@@ -106,29 +125,33 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
             lm = family.causal_lm_class()(lcfg)
             if plan is not None:
                 plan.adapt(lm)  # lm_head: this rank's vocab rows
-            head = MTPHead(MTPHead.layer_config(lcfg, bool(kw.get("num_experts"))), family, 1)
+            head = MTPHead(MTPHead.layer_config(lcfg, bool(kw.get("num_experts"))), family, 1) if with_mtp else None
     finally:
         torch.set_default_dtype(old)
+    heads = [head] if head is not None else []
     if plan is not None:
         with torch.no_grad():
-            for module, prefix in ((lm, ""), (head, "mtp.")):
+            for module, prefix in ((lm, ""), *((h, "mtp.") for h in heads)):
                 for name, p in module.named_parameters():
                     if plan.selection(prefix + name, tuple(p.shape)) is None:
                         group.broadcast_(p.data)
-    # the same fixed seed on every rank: the replicated embedding is the same everywhere
-    plant_next_token_map(lm.model.embed_tokens.weight, lm.lm_head.weight, plan.vrange if plan is not None else None)
+    # the same fixed seed on every rank: the replicated embedding is the same everywhere. Not with tied embeddings
+    # (the draft presets): lm_head is the embedding there, and a draft's argmax need not be decisive
+    if not kw.get("tie_word_embeddings"):
+        plant_next_token_map(lm.model.embed_tokens.weight, lm.lm_head.weight,
+                             plan.vrange if plan is not None else None)
     lm.eval()
     if quant == "fp8":  # as FP8 checkpoints load: linears FP8Linear, routed experts FP8Experts
         from .fp8 import quantize_experts, quantize_linears
 
-        for module in (lm, head):
+        for module in (lm, *heads):
             quantize_linears(module)
             quantize_experts(module)
     elif quant == "int4":  # the same linears, 4-bit (int4.quantize_linears); experts stay in the model dtype
         from .int4 import quantize_linears
 
-        quantize_linears(lm)
-        quantize_linears(head)
+        for module in (lm, *heads):
+            quantize_linears(module)
     kinds = list(lcfg.layer_types)
     if group is not None:
         group.vocab_size = cfg.vocab_size
@@ -136,13 +159,34 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
                   group=group)
     if group is not None:
         group.plan = plan
-    head.attach(trunk)
-    head.eval()
+    for h in heads:
+        h.attach(trunk)
+        h.eval()
     fallbacks.append(Fallback("weights", f"random weights in the {preset} shape"
                                          f"{' (FP8 linears)' if quant == 'fp8' else ' (4-bit linears)' if quant == 'int4' else ''}: output text is meaningless"))
     params = sum(p.numel() for p in lm.parameters())
-    return Loaded(f"random:{preset}", f"random:{preset}", kw, trunk, head, 1,
+    return Loaded(f"random:{preset}", f"random:{preset}", kw, trunk, head, len(heads),
                   params, fallbacks)
+
+
+def random_draft(spec: str, target, layers: int | None = None):
+    """--draft-model random:PRESET (a DRAFT_PRESETS shape) for `target` (an Engine): random weights with the
+    target's vocabulary on its device and dtype, as a draft_model.DraftModelDrafter named draft:PRESET. Its
+    acceptance is ~0 (random weights propose random tokens): what it measures is the draft's cost per cycle.
+    Unlike a checkpoint draft it may be larger than the target (a real-shape draft beside a toy target)."""
+    from .draft_model import DraftModelDrafter
+
+    preset = spec[len(RANDOM_DRAFT):]
+    if preset not in DRAFT_PRESETS:
+        raise EngineError(f"--draft-model {spec!r}: random draft presets are "
+                          f"{', '.join(RANDOM_DRAFT + p for p in DRAFT_PRESETS)}")
+    if target.trunk.group is not None:
+        raise EngineError("--draft-model: not with tensor parallelism (--tp) yet")
+    t = target.trunk
+    loaded = random_model(preset, layers, str(t.device), str(t.dtype).replace("torch.", ""), seed=1,
+                          vocab_size=t.config.vocab_size)
+    loaded.name = preset  # (the drafter's name: draft:PRESET)
+    return DraftModelDrafter.for_target(loaded, target)
 
 
 def weight_bytes_per_token(trunk) -> int:

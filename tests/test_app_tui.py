@@ -15,7 +15,7 @@ from app_support import home  # noqa: F401 (a fixture)
 from app_support import (ScriptedEngine, run_async, scripted, send, wait_loaded, wait_reply, wait_until,
                          write_settings)
 from fixtures import oom_on_the_second_verify
-from textual.widgets import DataTable, Input, Label, Markdown, Static
+from textual.widgets import DataTable, Input, Label, Markdown, Select, Static
 
 from app.screens import ExportScreen, ModelPickerScreen
 from app.store import Store
@@ -684,3 +684,57 @@ async def test_the_pickers_download_tab_is_reachable_by_keyboard(home, model):
         await pilot.pause()
         assert tabs.active == "tab-installed" and picker.focused is picker.query_one("#models-table")
         assert "f9 switches" in str(picker.query_one("#models-keys", Label).visual)
+
+
+def pane_text(app) -> str:
+    """The diagnostics pane as plain text (what a terminal shows)."""
+    from rich.console import Console
+
+    console = Console(width=100, record=True, file=open(os.devnull, "w"))
+    console.print(app.query_one("#diag-body", Static).content)
+    return console.export_text()
+
+
+@run_async
+async def test_the_picker_loads_a_draft_model_for_the_chosen_model(home, monkeypatch, tmp_path):
+    """F5 → the highlighted model's draft models (discovery's pairs) or none: a draft reloads the engine with it,
+    and the diagnostics pane names the drafter; none reloads without it."""
+    from draft_fixtures import write_qwen3
+
+    root = tmp_path / "models"
+    target = write_qwen3(root / "target", seed=4)
+    small = write_qwen3(root / "small", seed=5, layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=8)
+    monkeypatch.setenv("MTPCHAT_MODELS", str(root))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hf-cache"))
+    monkeypatch.setenv("MTPCHAT_DRAFT_MODEL", "")  # (the picker sets it for the engine thread; restored after)
+    write_settings(max_new_tokens=4)
+    app = MtpChatApp(model=str(target))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        assert "draft:" not in pane_text(app)
+        loaded = "none"
+        for pick, drafter in ((str(small), "draft:small"), (None, None)):
+            await pilot.press("f5")
+            picker = app.screen
+            assert isinstance(picker, ModelPickerScreen)
+            await wait_until(pilot, lambda: len(picker.candidates) >= 2, 20, "discovered models")
+            picker.query_one("#models-table", DataTable).move_cursor(
+                row=next(i for i, c in enumerate(picker.candidates) if c.path == str(target)))
+            select = picker.query_one("#models-draft", Select)
+            await wait_until(pilot, lambda: (str(small), str(small)) in [(v, v) for _, v in select._options], 5,
+                             "the target's drafts offered")
+            assert select.value == loaded  # (the second time: the loaded draft preselected)
+            select.value = "none" if pick is None else pick
+            await pilot.pause()
+            assert picker.draft == pick
+            await pilot.click("#load")
+            await wait_until(pilot, lambda: app.engine_state == "ready" and app.engine_diagnostics.get(
+                "drafter", {}).get("name") == (drafter or None), 30, f"the reload with {drafter}")
+            assert app.model_path == str(target)
+            text = pane_text(app)
+            assert (drafter in text) if drafter else ("draft:" not in text), text
+            await send(pilot, app, "Hello")
+            reply = await wait_reply(pilot, app)
+            assert (reply.stats or {}).get("drafter") == drafter, reply.stats  # the reply drafted with it
+            loaded = pick

@@ -51,7 +51,9 @@ def test_bench_says_when_a_model_has_no_mtp_head(tmp_path, capsys):
 
 
 def test_bench_refuses_a_model_and_random_weights_together(ckpt, capsys):
-    code = main(["bench", "--model", str(ckpt("next")), "--random-weights", "tiny"])
+    path = str(ckpt("next"))
+    capsys.readouterr()  # (writing the fixture may print transformers' progress bars)
+    code = main(["bench", "--model", path, "--random-weights", "tiny"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == ["mtpchat: error: --model and --random-weights: give one or the other"]
 

@@ -5,6 +5,7 @@ roll back exactly (an identical draft is always accepted, its state equals a fre
 leaves both models' committed states); sampling keeps the target distribution; mismatched drafts are refused."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -40,7 +41,8 @@ def engines_with_draft(pairs):
     def get(name):
         if name not in made:
             target, draft = pairs[name]
-            made[name] = load_engine(str(target), draft_model=str(draft))
+            # (the draft model drafts: with the hybrid's MTP head the default would be both, --drafter auto)
+            made[name] = load_engine(str(target), draft_model=str(draft), drafter="draft")
         return made[name]
 
     return get
@@ -189,6 +191,8 @@ def test_drafter_choice_between_the_mtp_head_and_the_draft(pairs, engines_with_d
     engine = engines_with_draft("hybrid")
     prompt = engine.encode_chat(PROMPTS[0])
     assert engine.mtp_drafter is not None and engine.default_drafter() is engine.draft_drafter
+    assert load_engine(str(pairs["hybrid"][0]), draft_model=str(pairs["hybrid"][1])).default_drafter().name == (
+        f"auto(mtp, draft:{pairs['hybrid'][1].name})")  # both: auto by default
     plain, _, _ = decode(engine, prompt, depth=0)
     try:
         engine.attach_draft(None, "mtp")
@@ -200,6 +204,8 @@ def test_drafter_choice_between_the_mtp_head_and_the_draft(pairs, engines_with_d
     assert spec == plain and fin.stats["drafter"].startswith("draft:")
     with pytest.raises(EngineError, match="--drafter draft: no draft model"):
         load_engine(str(pairs["sliding"][0]), drafter="draft")
+    with pytest.raises(EngineError, match="--drafter auto: .* has no MTP head"):
+        load_engine(str(pairs["sliding"][0]), draft_model=str(pairs["sliding"][1]), drafter="auto")
 
 
 def test_mismatched_drafts_are_refused_in_one_line(pairs, tmp_path):
@@ -263,12 +269,12 @@ def test_discovery_pairs_drafts_with_targets_of_their_tokenizer(pairs, tmp_path,
 def test_with_the_graph_runner_the_target_replays_its_steps_and_stays_exact(pairs, tmp_path):
     """The target's verify / decode / commit steps through the graph runner (graphs.Rerun on the CPU stands in
     for each CUDA graph) with a draft model drafting eagerly: a hybrid Qwen3.5 target, and a dense Qwen3 target
-    (its ungated attention in graph mode); a sliding-window target runs eagerly and says so."""
+    (its ungated attention in graph mode); a sliding-window target too, its draft's chains eagerly."""
     dense = write_qwen3(tmp_path / "dense", seed=4)
     cases = [pairs["hybrid"], (dense, write_perturbed_draft(dense, tmp_path / "dense_draft", NOISE))]
     for target, draft in cases:
         eager = load_engine(str(target), cuda_graphs=False)
-        graphs = load_engine(str(target), cuda_graphs=True, draft_model=str(draft))
+        graphs = load_engine(str(target), cuda_graphs=True, draft_model=str(draft), drafter="draft")
         prompt = eager.encode_chat(PROMPTS[0])
         plain, _, _ = decode(eager, prompt, depth=0, max_new_tokens=30)
         assert decode(graphs, prompt, depth=0, max_new_tokens=30)[0] == plain
@@ -280,10 +286,19 @@ def test_with_the_graph_runner_the_target_replays_its_steps_and_stays_exact(pair
         assert report["failure"] is None and sum(int(n) for n in report["replays"].values()) > 10
         chains = graphs.draft_drafter.graphs.report()  # greedy chains: one graph per (first width, k)
         assert chains["failure"] is None and sum(int(n) for n in chains["replays"].values()) > 10
-    sliding = load_engine(str(pairs["sliding"][0]), cuda_graphs=True)
-    assert sliding.graph_runner is None
-    assert any(f.feature == "cuda_graphs" and "sliding-window" in f.reason for f in sliding.fallbacks(
-        GenerationSettings(), None))
+    # a sliding-window target replays its graphs too (its ring's graph-mode record, rotating_cache.py); its draft's
+    # chains stay eager (a chain's later steps would read what a graph-mode pass leaves in the record)
+    target, draft = pairs["sliding"]
+    sliding = load_engine(str(target), cuda_graphs=True, draft_model=str(draft), drafter="draft")
+    eager = load_engine(str(target), cuda_graphs=False)
+    prompt = eager.encode_chat(PROMPTS[0])
+    plain = decode(eager, prompt, depth=0, max_new_tokens=30)[0]
+    spec, _, fin = decode(sliding, prompt, depth=3, max_new_tokens=30)
+    assert spec == plain
+    assert_drafts_accepted_and_rejected(fin, draft.name)
+    report = sliding.graph_runner.report()
+    assert report["failure"] is None and sum(int(n) for n in report["replays"].values()) > 5
+    assert sliding.draft_drafter.graphs is None
 
 
 @pytest.mark.gpu
@@ -294,7 +309,7 @@ def test_on_cuda_with_graphs_a_draft_model_is_lossless(name, pairs):
     depth; bf16 runs the same loop."""
     target, draft = pairs[name]
     cpu = load_engine(str(target), device="cpu")
-    gpu = load_engine(str(target), device="cuda", dtype="float32", draft_model=str(draft))
+    gpu = load_engine(str(target), device="cuda", dtype="float32", draft_model=str(draft), drafter="draft")
     prompt = cpu.encode_chat(PROMPTS[0])
     plain, _, _ = decode(cpu, prompt, depth=0, max_new_tokens=32)
     for depth in (0, 1, 3):
@@ -309,12 +324,105 @@ def test_bench_rows_for_the_draft_model(pairs, capsys):
     from app.cli import main
 
     target, draft = pairs["hybrid"]
-    assert main(["bench", "--model", str(target), "--draft-model", str(draft), "--drafter", "mtp", "--depths",
+    assert main(["bench", "--model", str(target), "--draft-model", str(draft), "--drafter", "mtp,auto", "--depths",
                  "0,2", "--max-new-tokens", "8", "--repeat", "1", "--no-hf", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["results"]
     by = {(r["depth"], r["drafter"]): r for r in rows}
-    assert set(by) >= {(0, "none"), (2, "mtp"), (2, f"draft:{draft.name}")}
+    auto = f"auto(mtp, draft:{draft.name})"
+    assert set(by) >= {(0, "none"), (2, "mtp"), (2, f"draft:{draft.name}"), (2, auto)}
+    assert by[(2, auto)]["identical_to_plain"] and "draft_cost" not in by[(2, auto)]
     mine = by[(2, f"draft:{draft.name}")]
     assert mine["identical_to_plain"] and mine["phase_ms"]["draft"] > 0
     assert main(["bench", "--model", str(target), "--drafter", "draft"]) == 2
     assert "no draft model" in capsys.readouterr().err
+
+
+def test_bench_random_draft_presets_report_the_drafts_cost_and_break_even(capsys):
+    """--draft-model random:PRESET: the preset's shape (hidden, heads, tied embeddings; the hybrid's GDN layers)
+    with the target's vocabulary, cut by --draft-layers; every draft row says what the draft costs and the
+    acceptance it would need to beat plain decoding."""
+    from app.cli import main
+    from app.cmd_bench import break_even_acceptance
+
+    for preset in ("qwen3-0.6b", "qwen3.5-0.8b"):
+        assert main(["bench", "--random-weights", "tiny", "--layers", "2", "--draft-model", f"random:{preset}",
+                     "--draft-layers", "4", "--drafter", "draft", "--depths", "0,1,3", "--max-new-tokens", "8",
+                     "--repeat", "1", "--no-hf", "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)["results"]
+        by = {(r["depth"], r["drafter"]): r for r in rows}
+        assert set(by) == {(0, "none"), (1, f"draft:{preset}"), (3, f"draft:{preset}")}
+        for k in (1, 3):
+            r = by[(k, f"draft:{preset}")]
+            cost = r["draft_cost"]
+            assert r["identical_to_plain"] and cost["draft_ms_per_cycle"] == r["phase_ms"]["draft"] > 0
+            assert 0 < cost["draft_share_of_cycle"] < 1 and cost["verify_ms_per_cycle"] > 0
+            assert cost["draft_step_vs_plain_step"] == pytest.approx(cost["draft_step_ms"] / cost["plain_step_ms"])
+            even = cost["break_even_acceptance"]
+            assert even == break_even_acceptance(k, cost["cycle_ms"], cost["plain_step_ms"])
+        assert "break-even acceptance" not in json.dumps(by[(0, "none")])
+    # the presets' shapes, with the target's vocabulary
+    from engine import Engine, random_model
+    from engine.presets import random_draft
+
+    target = Engine(random_model("tiny", 1, "cpu", "float32"), None, set())
+    for preset, kinds in (("qwen3-0.6b", {"full_attention"}), ("qwen3.5-0.8b", {"full_attention", "linear_attention"})):
+        d = random_draft(f"random:{preset}", target, layers=4)
+        cfg = d.trunk.config
+        assert d.name == f"draft:{preset}" and cfg.vocab_size == 4096 and cfg.hidden_size == 1024
+        assert cfg.tie_word_embeddings and d.trunk.lm.lm_head.weight is d.trunk.lm.model.embed_tokens.weight
+        assert set(cfg.layer_types) == kinds and d.loaded.mtp is None
+    assert (random_draft("random:qwen3-0.6b", target, 1).trunk.config.num_attention_heads,
+            random_draft("random:qwen3.5-0.8b", target, 1).trunk.config.linear_num_value_heads) == (16, 16)
+    with pytest.raises(EngineError, match="random draft presets are random:qwen3-0.6b"):
+        random_draft("random:nope", target)
+
+
+def test_break_even_acceptance_solves_for_plains_rate():
+    from app.cmd_bench import break_even_acceptance
+    from engine.autodepth import expected_tokens
+
+    a = break_even_acceptance(3, 25.0, 10.0)  # a cycle of 2.5 plain steps must commit 2.5 tokens
+    assert expected_tokens([a] * 3, 3) == pytest.approx(2.5, abs=1e-9)
+    assert break_even_acceptance(3, 9.0, 10.0) == 0.0  # cheaper than a plain step: any acceptance wins
+    assert break_even_acceptance(3, 41.0, 10.0) is None  # dearer than 4 plain steps: even acceptance 1 loses
+
+
+def test_bench_refuses_bad_random_drafts_in_one_line(capsys):
+    from app.cli import main
+
+    for args, why in ((["--draft-model", "random:nope"], "random draft presets are"),
+                      (["--draft-layers", "2"], "--draft-layers: only with --draft-model random:")):
+        assert main(["bench", "--random-weights", "tiny", *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and why in err, err
+
+
+def test_a_draft_that_fails_to_load_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    """The chat's model picker sends SwitchModel(path, draft=...): a draft model that cannot load fails the switch
+    with its reason, and the way back loads the previous model with the draft it had (none), not the bad one."""
+    import queue
+
+    from app.worker import DRAFT_ENV, EngineLoaded, EngineLoadFailed, EngineWorker, SwitchModel
+
+    target = write_qwen3(tmp_path / "target", seed=4)
+    monkeypatch.setenv(DRAFT_ENV, "")
+    posted = queue.Queue()
+    worker = EngineWorker(posted.put, str(target), "cpu", None)
+    worker.start()
+
+    def next_of(kind):
+        while True:
+            msg = posted.get(timeout=60)
+            if isinstance(msg, kind):
+                return msg
+
+    try:
+        next_of(EngineLoaded)
+        worker.submit(SwitchModel(str(target), draft=str(tmp_path / "no-such-draft")))
+        failed = next_of(EngineLoadFailed)
+        assert failed.kept == "target" and "no-such-draft" in failed.error
+        next_of(EngineLoaded)
+        assert worker.engine is not None and worker.engine.draft_drafter is None
+        assert os.environ[DRAFT_ENV] == ""
+    finally:
+        worker.shutdown(timeout=10)

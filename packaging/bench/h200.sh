@@ -13,6 +13,9 @@
 #   bash packaging/bench/h200.sh demo-compile  # the same model with --compile: speed and precision
 #   bash packaging/bench/h200.sh fp8      # FP8 kernels per call (fp8_ops.py), 27B shape FP8 vs bf16, GPU tests
 #   bash packaging/bench/h200.sh attn     # decoding after long prompts with the split-K decode attention
+#   bash packaging/bench/h200.sh int4     # the W4A16 kernel's GPU tests, 27B shape Int4 speed, memory at 32k context
+#   bash packaging/bench/h200.sh where    # where a 27B-shape step's time goes: bf16 and FP8, eager and --compile
+#   bash packaging/bench/h200.sh draft    # draft models' cost per cycle on the 27B shape; FP8 routed-expert kernels
 #   bash packaging/bench/h200.sh prefill  # 27B shape: prefill tok/s, TTFT, peak memory, decode at 200 .. 131072
 #                                         # prompt tokens; the demo model's MTP acceptance against context length
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
@@ -110,5 +113,35 @@ prefill)  # issue #22 items 5-6 (about 8 minutes; the 27B shape's 131072-token p
   # up to the demo model's 4096 positions: 4000 prompt tokens + 96 new ones
   timeout 150 python3 -m app.cli bench --model engine/assets/demo --prompt-tokens 128,1024,2048,4000 --depths 0,1,2,3 \
         --drafter mtp --max-new-tokens 96 --no-hf --out "$OUT/accept_ctx_demo.json" 2>&1 | tail -20
+  ;;
+int4)  # issue #29 (about 4 minutes)
+  timeout 120 python3 -m pytest -q -rA tests/test_int4.py -k "kernel or cuda" -p no:cacheprovider 2>&1 \
+        | grep -E "PASS|FAIL|Error|passed|failed" | tail -8 | tee "$OUT/int4_gpu_tests.txt"
+  bench --random-weights qwen3.5-27b --quant int4 --depths 0,3 --drafter oracle --acceptance 1.0 \
+        --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_int4_h200.json"
+  bench --random-weights qwen3.5-27b --quant int4 --prompt-tokens 32768 --depths 0 --max-new-tokens 16 \
+        --repeat 1 --no-hf --out "$OUT/int4_32k_h200.json"
+  ;;
+where)  # issues #23 / #28: kernels of one decode step, FP8 eager and compiled, bf16 compiled; FP8 linears at
+  # prefill widths (about 5 minutes)
+  for run in "fp8" "fp8 --compile" "bf16 --compile"; do
+    set -- $run
+    echo "== $run"
+    timeout 170 python3 packaging/bench/profile_step.py --random-weights qwen3.5-27b --quant $1 ${2:-} \
+        --json "$OUT/profile27b_$1${2:+_compile}.json" 2>&1 | grep -v Warn | tail -30
+  done
+  timeout 120 python3 packaging/bench/fp8_prefill_ops.py --json "$OUT/fp8_prefill_ops_h200.json" 2>&1 | tail -44
+  ;;
+draft)  # issue #27 (draft models) and #23 (FP8 routed experts), about 6 minutes. Random-weight drafts of the real
+  # shapes (acceptance ~0): each draft row reports the draft's ms per cycle and share of it, a draft step against
+  # plain's step, and the break-even acceptance. --compile compiles the draft's layers too (DraftModelDrafter.
+  # for_target). Earlier runs: draft_h200.json (the script this replaced, uncompiled, after the Qwen3 norm fix: at
+  # depth 3 the 0.6B shape 7.15 ms a cycle against a 19.3 ms verify, the hybrid 7.55 ms);
+  # draft27b_qwen3-0.6b_compile_h200.json (--compile: 1.54 ms a draft step, 10.2% of the 15.1 ms plain step).
+  for d in qwen3-0.6b qwen3.5-0.8b; do
+    bench --random-weights qwen3.5-27b --compile --draft-model random:$d --drafter draft --depths 0,1,3 \
+          --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/draft27b_${d}_h200.json"
+  done
+  timeout 90 python3 packaging/bench/fp8_moe_ops.py 2>&1 | tee "$OUT/fp8_moe_ops_h200.txt"
   ;;
 esac
