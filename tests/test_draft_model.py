@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers as tf
 from draft_fixtures import write_perturbed_draft, write_qwen3, write_qwen35_pair, write_tokenizer
+from fixtures import greedy_reference
 from faults import FaultAt, handed_out
 from test_exactness import PROMPTS, decode
 
@@ -60,9 +61,9 @@ def test_speculation_equals_plain_equals_transformers(name, pairs, engines_with_
     target, draft = pairs[name]
     hf = tf.AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     prompt = engine.encode_chat(PROMPTS[0])
-    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    ref = greedy_reference(hf, prompt, 40)
     plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=40)
-    assert plain == ref[0, len(prompt):].tolist()
+    assert plain == ref
     for depth in (1, 2, 3, 4):
         spec, sources, fin = decode(engine, prompt, depth=depth, max_new_tokens=40)
         assert spec == plain, depth

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers as tf
 from draft_fixtures import write_qwen3
+from fixtures import greedy_reference
 from faults import FaultAt, handed_out
 from test_exactness import PROMPTS, decode
 
@@ -53,10 +54,10 @@ def test_greedy_equals_transformers_generate(name, models):
     for messages in PROMPTS:
         prompt = engine.encode_chat(messages)
         assert len(prompt) > 3 * WINDOW
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False)
+        ref = greedy_reference(hf, prompt, 30)
         for chunk in (5, 512):  # prefill passes narrower than the window, and one pass several windows wide
             ours, sources, fin = decode(engine, prompt, depth=0, prefill_chunk=chunk, max_new_tokens=30)
-            assert ours == ref[0, len(prompt):].tolist(), chunk
+            assert ours == ref, chunk
             assert set(sources) == {"target"}
 
 
@@ -198,11 +199,11 @@ def test_a_restored_turn_brings_its_window_back(models):
     cannot trim back, comes back from it (without it the second reply diverged)."""
     engine, hf = models("sliding")
     prompt = engine.encode_chat(PROMPTS[0])
-    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    ref = greedy_reference(hf, prompt, 20)
     first, _, _ = decode(engine, prompt, depth=0, max_new_tokens=20)
     again, _, fin = decode(engine, prompt, depth=0, max_new_tokens=20)
     assert fin.stats["reused_tokens"] == len(prompt)
-    assert first == again == ref[0, len(prompt):].tolist()
+    assert first == again == ref
 
 
 def test_a_released_qwen3_config_counts_every_layer_as_attention():
@@ -223,9 +224,9 @@ def test_with_the_graph_runner_speculation_equals_transformers_and_eager_plain(m
     eager, hf = models("sliding")
     engine, _ = models("graphs")
     prompt = engine.encode_chat(PROMPTS[0])
-    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    ref = greedy_reference(hf, prompt, 40)
     plain, _, _ = decode(eager, prompt, depth=0, max_new_tokens=40)
-    assert plain == ref[0, len(prompt):].tolist()
+    assert plain == ref
     vocab = engine.trunk.config.vocab_size
     for depth in (0, 1, 2, 3, 4, 12):
         drafter = OracleDrafter(plain, len(prompt), 0.2, vocab, seed=depth) if depth else None
