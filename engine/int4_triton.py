@@ -67,27 +67,33 @@ def usable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 if triton is not None:
 
+    @triton.jit
+    def _packed_block(QW, Z, S, k0, n, n_ok, K, GROUP, stride_q, stride_z, stride_s, BLOCK_K: tl.constexpr):
+        """K-block k0's packed words [BLOCK_K / 8, BLOCK_N] (word i holds input rows k0 + 8i .. k0 + 8i + 7) and
+        its group's zeros and scales [BLOCK_N] in float32."""
+        rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        packed = tl.load(QW + rows[:, None].to(tl.int64) * stride_q + n[None, :],
+                         mask=(rows < K // 8)[:, None] & n_ok[None, :], other=0)
+        g = k0 // GROUP
+        z = tl.load(Z + g * stride_z + n, mask=n_ok, other=0).to(tl.float32)
+        s = tl.load(S + g * stride_s + n, mask=n_ok, other=0).to(tl.float32)
+        return packed, z, s
+
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel per row bucket: none compiles inside a capture
     def _w4a16(X, QW, Z, S, P, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s, KS: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_p = tl.arange(0, BLOCK_K // 8)  # packed rows of a K-block
         offs_k = tl.arange(0, BLOCK_K)
         shifts = tl.arange(0, 8) * 4
         n_ok, m_ok = n < N, m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for b in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
             k0 = b * BLOCK_K
-            rows = k0 // 8 + offs_p
-            packed = tl.load(QW + rows[:, None].to(tl.int64) * stride_q + n[None, :],
-                             mask=(rows < K // 8)[:, None] & n_ok[None, :], other=0)
+            packed, z, s = _packed_block(QW, Z, S, k0, n, n_ok, K, GROUP, stride_q, stride_z, stride_s, BLOCK_K)
             q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]: row 8i + j
             q = tl.reshape(q, (BLOCK_K, BLOCK_N))
-            g = k0 // GROUP
-            z = tl.load(Z + g * stride_z + n, mask=n_ok, other=0).to(tl.float32)
-            s = tl.load(S + g * stride_s + n, mask=n_ok, other=0).to(tl.float32)
             w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(X.dtype.element_ty)
             ks = k0 + offs_k
             x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks < K)[None, :], other=0.0)
@@ -108,12 +114,7 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for b in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
             k0 = b * BLOCK_K
-            rows = k0 // 8 + offs_p
-            packed = tl.load(QW + rows[:, None].to(tl.int64) * stride_q + n[None, :],
-                             mask=(rows < K // 8)[:, None] & n_ok[None, :], other=0)
-            g = k0 // GROUP
-            z = tl.load(Z + g * stride_z + n, mask=n_ok, other=0).to(tl.float32)
-            s = tl.load(S + g * stride_s + n, mask=n_ok, other=0).to(tl.float32)
+            packed, z, s = _packed_block(QW, Z, S, k0, n, n_ok, K, GROUP, stride_q, stride_z, stride_s, BLOCK_K)
             for j in tl.static_range(8):  # nibble j of word i: input row k0 + 8i + j
                 w = (((packed >> (4 * j)) & 0xF).to(tl.float32) - z[None, :]) * s[None, :]
                 w = w.to(X.dtype.element_ty).to(tl.float32)  # rounded as the dequantized weight is
@@ -132,14 +133,9 @@ if triton is not None:
         pn, pb = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = pb * BLOCK_K
-        rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         n_ok = n < N
-        packed = tl.load(QW + rows[:, None].to(tl.int64) * stride_q + n[None, :],
-                         mask=(rows < K // 8)[:, None] & n_ok[None, :], other=0)
+        packed, z, s = _packed_block(QW, Z, S, k0, n, n_ok, K, GROUP, stride_q, stride_z, stride_s, BLOCK_K)
         q = tl.reshape((packed[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-        g = k0 // GROUP
-        z = tl.load(Z + g * stride_z + n, mask=n_ok, other=0).to(tl.float32)
-        s = tl.load(S + g * stride_s + n, mask=n_ok, other=0).to(tl.float32)
         w = ((q.to(tl.float32) - z[None, :]) * s[None, :]).to(W.dtype.element_ty)
         ks = k0 + tl.arange(0, BLOCK_K)
         tl.store(W + n[None, :].to(tl.int64) * K + ks[:, None], w, mask=n_ok[None, :] & (ks < K)[:, None])
