@@ -738,3 +738,18 @@ async def test_the_picker_loads_a_draft_model_for_the_chosen_model(home, monkeyp
             reply = await wait_reply(pilot, app)
             assert (reply.stats or {}).get("drafter") == drafter, reply.stats  # the reply drafted with it
             loaded = pick
+
+
+@run_async
+async def test_the_status_line_takes_the_bar_s_width_as_its_text_grows(home):
+    """The status line is redrawn without a new layout unless its height changes (LiveStatic): with an auto width
+    it kept its first text's width and cut the context meter off ("context 40 /") once the text grew."""
+    app = MtpChatApp(loader=lambda *args: scripted(["Hi", "!"], ["target", "draft"]))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        status = app.query_one("#status")
+        assert str(status.styles.width) == "1fr"
+        await send(pilot, app, "Hello")
+        await wait_reply(pilot, app)
+        await pilot.pause()
+        assert status.size.width >= len(status.content.plain) + 20  # (the bar's rest: the chat column's width)
