@@ -456,22 +456,21 @@ def _engine_flags(args) -> dict:
 def _engine(args, group=None) -> Engine:
     """What bench measures: a checkpoint, or random weights in a preset's shape; under --tp this rank's shard
     (CUDA graphs as on one GPU: the collectives are captured inside them)."""
-    from engine import Engine, load_engine, presets, random_model
-    from engine.presets import RANDOM_DRAFT
+    from engine import RANDOM_DRAFT, Engine, load_engine, random_draft, random_model
 
     flags = _engine_flags(args)
     device = None if group else args.device  # under --tp each rank's device is the group's
-    random_draft = (args.draft_model or "").startswith(RANDOM_DRAFT)
+    is_random_draft = (args.draft_model or "").startswith(RANDOM_DRAFT)
     if not args.random_weights:
         engine = load_engine(args.model, device, args.dtype, tp=group,
-                             draft_model=None if random_draft else args.draft_model, **flags)
+                             draft_model=None if is_random_draft else args.draft_model, **flags)
     else:
         engine = Engine(random_model(args.random_weights, args.layers, device, args.dtype, group=group,
                                      quant=args.quant), None, set(), **flags)
-        if args.draft_model and not random_draft:
+        if args.draft_model and not is_random_draft:
             engine.attach_draft(args.draft_model)
-    if random_draft:
-        engine.draft_drafter = presets.random_draft(args.draft_model, engine, args.draft_layers)
+    if is_random_draft:
+        engine.draft_drafter = random_draft(args.draft_model, engine, args.draft_layers)
         engine.attach_draft(None)  # (with an MTP head: both, for --drafter auto)
     return engine
 
@@ -493,8 +492,7 @@ def _drafters(args) -> list[str]:
 
 def _check_args(args) -> None:
     """Every flag, before anything slow (the model load, the workers, the measurements)."""
-    from engine import PRESETS, EngineError
-    from engine.presets import DRAFT_PRESETS, RANDOM_DRAFT
+    from engine import DRAFT_PRESETS, PRESETS, RANDOM_DRAFT, EngineError
 
     from .cli import check_model_folder
 
@@ -676,7 +674,7 @@ def break_even_acceptance(k: int, cycle_ms: float, plain_step_ms: float) -> floa
     1 + a + ... + a^k) of cycle_ms matches plain decoding's rate, 1 / plain_step_ms: 0 when a cycle costs no
     more than a plain step, None when even a = 1 (k + 1 tokens a cycle) loses. Bisection: the expected tokens
     grow with a."""
-    from engine.autodepth import expected_tokens
+    from engine import expected_tokens
 
     need = cycle_ms / plain_step_ms  # tokens a cycle must commit to break even
     if need <= 1.0:

@@ -70,7 +70,11 @@ _EXPORTS = {
     # benchmarks
     "OracleDrafter": ("drafters", "OracleDrafter"),
     "PRESETS": ("presets", "PRESETS"),
+    "DRAFT_PRESETS": ("presets", "DRAFT_PRESETS"),
+    "RANDOM_DRAFT": ("presets", "RANDOM_DRAFT"),
     "random_model": ("presets", "random_model"),
+    "random_draft": ("presets", "random_draft"),
+    "expected_tokens": ("autodepth", "expected_tokens"),
     "weight_bytes_per_token": ("presets", "weight_bytes_per_token"),
     "stock_forward": ("norm_triton", "stock_forward"),
     # tensor parallelism
