@@ -189,6 +189,9 @@ class ShardPlan:
             if not cond:
                 raise EngineError(f"{where}: --tp {W}: {msg}")
 
+        # the q_proj slices below are [query | gate] per head: dense Qwen3's ungated attention is not laid out so
+        need(getattr(cfg, "model_type", "") != "qwen3", "dense Qwen3 models are not sharded yet (run them on one "
+                                                        "device)")
         # full attention: query heads split evenly; KV heads split, or replicated when N > KV heads
         nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.hd = cfg.head_dim

@@ -427,3 +427,15 @@ def test_a_draft_that_fails_to_load_leaves_the_model_as_it_was(tmp_path, monkeyp
         assert os.environ[DRAFT_ENV] == ""
     finally:
         worker.shutdown(timeout=10)
+
+
+def test_a_dense_qwen3_under_tensor_parallelism_is_refused_in_one_line(tmp_path, capsys):
+    """Its ungated q_proj is not [query | gate] per head, as the shard plan slices it: refused before any rank
+    starts, not a shape error from a rank's load."""
+    from app.cli import main
+
+    target = write_qwen3(tmp_path / "dense", seed=4)
+    capsys.readouterr()
+    code = main(["run", "--model", str(target), "--tp", "2", "--device", "cpu", "--prompt", "hi"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "dense Qwen3 models are not sharded yet" in err[0], err
