@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .reply_parts import ANSWER, REASONING
+from .safe_text import terminal_safe
 
 if TYPE_CHECKING:
     from engine import Cycle
@@ -164,7 +165,8 @@ class ReplyStats:
 
 
 def stats_line(stats: dict | None) -> str:
-    """A finished reply's numbers on one line: '52.1 tok/s · depth 2 · 71% accepted · 2.42 tok/cycle'."""
+    """A finished reply's numbers on one line: '52.1 tok/s · depth 2 · 71% accepted · 2.42 tok/cycle', the drafter
+    named when it is not the MTP head ('· draft:Qwen3-0.6B ·'): the transcript's footers and the Markdown export."""
     if not stats:
         return ""
     parts = []
@@ -173,6 +175,8 @@ def stats_line(stats: dict | None) -> str:
     if stats.get("depth") is not None:
         parts.append(f"depth {stats['depth']}")
     if stats.get("drafted"):
+        if stats.get("drafter") not in (None, "mtp"):  # a draft model, or --drafter auto: which drafted
+            parts.append(terminal_safe(str(stats["drafter"])))
         if stats.get("acceptance_rate") is not None:
             parts.append(f"{100 * stats['acceptance_rate']:.0f}% accepted")
         if stats.get("mean_accepted_length") is not None:

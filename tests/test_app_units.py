@@ -265,3 +265,13 @@ def test_the_diagnostics_say_whose_threads_they_count():
 
     assert threads_text(1, 2) == "1 of 2 CPUs (one left to the UI)"
     assert threads_text(4, 4) == "4 of 4 CPUs" and threads_text(3, None) == "3"
+
+
+def test_a_reply_s_footer_names_a_draft_model_that_drafted():
+    from app.stats import stats_line
+
+    base = {"tokens_per_s": 52.1, "depth": 2, "drafted": 10, "acceptance_rate": 0.7, "mean_accepted_length": 2.4}
+    assert stats_line({**base, "drafter": "mtp"}) == "52.1 tok/s · depth 2 · 70% accepted · 2.40 tok/cycle"
+    assert "· draft:small ·" in stats_line({**base, "drafter": "draft:small"})
+    assert "\x1b" not in stats_line({**base, "drafter": "draft:evil\x1b]0;x\x07"})  # a folder name is untrusted
+    assert "draft:" not in stats_line({**base, "drafted": 0, "drafter": "draft:small"})  # (it drafted nothing)
