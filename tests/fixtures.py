@@ -81,6 +81,22 @@ def greedy_reference(hf, prompt: list[int], n: int, **kw) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def damaged_copy(src: Path, dest: Path, edit_tensors=None, edit_config=None) -> Path:
+    """A copy of the single-file checkpoint `src` at `dest` with its tensors (edit_tensors(dict)) and / or its
+    quantization_config (edit_config(dict)) edited in place: the quantized loaders' bad-input tests."""
+    shutil.copytree(src, dest)
+    if edit_tensors:
+        f = dest / "model.safetensors"
+        tensors = load_file(f)
+        edit_tensors(tensors)
+        save_file(tensors, f, metadata={"format": "pt"})
+    if edit_config:
+        conf = json.loads((dest / "config.json").read_text())
+        edit_config(conf["quantization_config"])
+        (dest / "config.json").write_text(json.dumps(conf))
+    return dest
+
+
 def tokenizer_files(thinking: bool = False) -> dict[str, str]:
     """Train a small byte-level BPE once per process; return file name -> content. thinking: with Qwen's <think>
     markers as added (non-special) tokens and a Qwen3.5-style thinking template."""

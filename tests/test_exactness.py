@@ -65,6 +65,16 @@ def test_mtp_speculation_equals_plain(name, depth, engines):
     assert_speculation_equals_plain(engines(name), depth)
 
 
+def assert_greedy_equals_transformers(engine, twin) -> None:
+    """Greedy decoding at decode widths (7-token prefill chunks) equals transformers on the checkpoint `twin`
+    (a quantized model's exactly dequantized twin) over every prompt."""
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.float32).eval()
+    for messages in PROMPTS:
+        prompt = engine.encode_chat(messages)
+        ours, _, _ = decode(engine, prompt, depth=0, prefill_chunk=7)
+        assert ours == greedy_reference(hf, prompt, 24)
+
+
 def assert_speculation_equals_plain(engine, depth: int) -> None:
     """MTP speculation at `depth` gives plain decoding's tokens, with drafts accepted and rejected."""
     prompt = engine.encode_chat(PROMPTS[0])

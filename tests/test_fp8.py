@@ -2,18 +2,15 @@
 running the exactly-dequantized twin, plain and speculative; bad FP8 input is refused in one line."""
 
 import json
-import shutil
 
 import pytest
 import torch
-import transformers as tf
-from safetensors.torch import load_file, save_file
 
 from engine import fp8, load_engine
 from engine.errors import EngineError
 from engine.model import load
-from fixtures import greedy_reference, memo, write_checkpoint, write_fp8_checkpoint
-from test_exactness import PROMPTS, assert_speculation_equals_plain, decode
+from fixtures import damaged_copy, memo, write_checkpoint, write_fp8_checkpoint
+from test_exactness import assert_greedy_equals_transformers, assert_speculation_equals_plain
 
 # hidden 128, every projection's N a multiple of 128: whole blocks, the fused FP8 projections concatenate
 BLOCKS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
@@ -56,13 +53,7 @@ def test_dequantize_is_blockwise_with_partial_edge_blocks():
 
 @pytest.mark.parametrize("name", list(FP8_FIXTURES))
 def test_fp8_greedy_equals_transformers_on_the_dequantized_twin(name, fp8_ckpt, fp8_engine):
-    path, twin = fp8_ckpt(name)
-    engine = fp8_engine(name)
-    hf = tf.AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.float32).eval()
-    for messages in PROMPTS:
-        prompt = engine.encode_chat(messages)
-        ours, _, _ = decode(engine, prompt, depth=0, prefill_chunk=7)
-        assert ours == greedy_reference(hf, prompt, 24)
+    assert_greedy_equals_transformers(fp8_engine(name), fp8_ckpt(name)[1])
 
 
 @pytest.mark.parametrize("name", list(FP8_FIXTURES))
@@ -116,18 +107,7 @@ def test_discovery_reports_the_fp8_bytes(fp8_ckpt):
 # --- bad input -----------------------------------------------------------------------------------------------
 
 def _damaged(fp8_ckpt, tmp_path, edit_tensors=None, edit_config=None):
-    path = tmp_path / "bad"
-    shutil.copytree(fp8_ckpt("next")[0], path)
-    if edit_tensors:
-        f = path / "model.safetensors"
-        tensors = load_file(f)
-        edit_tensors(tensors)
-        save_file(tensors, f, metadata={"format": "pt"})
-    if edit_config:
-        conf = json.loads((path / "config.json").read_text())
-        edit_config(conf["quantization_config"])
-        (path / "config.json").write_text(json.dumps(conf))
-    return path
+    return damaged_copy(fp8_ckpt("next")[0], tmp_path / "bad", edit_tensors, edit_config)
 
 
 Q_PROJ = "model.layers.1.self_attn.q_proj"

@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers as tf
 
 from engine import fp8, load_engine
 from engine.discovery import SAFETENSORS_DTYPES, _numel, estimate_memory, inspect_model
 from engine.environment import DeviceInfo
 from engine.model import MOE_ROWWISE_MAX_TOKENS, load, moe_grouped, moe_rowwise
-from fixtures import _split_experts, greedy_reference, memo, write_checkpoint, write_fp8_checkpoint
-from test_exactness import PROMPTS, assert_speculation_equals_plain, decode
+from fixtures import _split_experts, memo, write_checkpoint, write_fp8_checkpoint
+from test_exactness import PROMPTS, assert_greedy_equals_transformers, assert_speculation_equals_plain, decode
 
 # name -> (family, options). next_moe: I = 32, H = 64: one partial block per matrix, and gate / up keep a scale
 # row each (their concatenation is not whole blocks). q35_moe: the wrapped Qwen3.5-MoE layout (vision tower) with
@@ -53,13 +52,7 @@ def moe_blocks(engine):
 
 @pytest.mark.parametrize("name", list(FIXTURES))
 def test_fp8_moe_greedy_equals_transformers_on_the_dequantized_twin(name, fp8_ckpt, fp8_engine):
-    path, twin = fp8_ckpt(name)
-    engine = fp8_engine(name)
-    hf = tf.AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.float32).eval()
-    for messages in PROMPTS:
-        prompt = engine.encode_chat(messages)
-        ours, _, _ = decode(engine, prompt, depth=0, prefill_chunk=7)  # decode widths: moe_rowwise
-        assert ours == greedy_reference(hf, prompt, 24)
+    assert_greedy_equals_transformers(fp8_engine(name), fp8_ckpt(name)[1])  # decode widths: moe_rowwise
 
 
 @pytest.mark.parametrize("name", list(FIXTURES))

@@ -10,16 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers as tf
-from safetensors.torch import load_file, save_file
 
 from engine import int4, load_engine
 from engine.errors import EngineError
 from engine.model import load
-from fixtures import greedy_reference, memo, write_checkpoint, write_fp8_checkpoint
+from fixtures import damaged_copy, memo, write_checkpoint, write_fp8_checkpoint
 from int4_fixtures import (awq_config, dequantize, gptq_config, pack_along_k, pack_along_n, quantize,
                            write_int4_checkpoint)
-from test_exactness import PROMPTS, assert_speculation_equals_plain, decode
+from test_exactness import PROMPTS, assert_greedy_equals_transformers, assert_speculation_equals_plain, decode
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"q35": ("qwen3_5", {}), "next": ("qwen3_next", {}),
@@ -113,13 +111,7 @@ def test_engine_dequantizes_the_packed_tensors_exactly(method, group_size, sym, 
 
 @pytest.mark.parametrize("name", list(INT4_FIXTURES))
 def test_int4_greedy_equals_transformers_on_the_dequantized_twin(name, int4_ckpt, int4_engine):
-    path, twin = int4_ckpt(name)
-    engine = int4_engine(name)
-    hf = tf.AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.float32).eval()
-    for messages in PROMPTS:
-        prompt = engine.encode_chat(messages)
-        ours, _, _ = decode(engine, prompt, depth=0, prefill_chunk=7)
-        assert ours == greedy_reference(hf, prompt, 24)
+    assert_greedy_equals_transformers(int4_engine(name), int4_ckpt(name)[1])
 
 
 @pytest.mark.parametrize("name, depth", [("q35_act", 1), ("q35_act", 2), ("q35_act", 3), ("q35_moe", 1),
@@ -220,18 +212,7 @@ def test_mtp_from_on_the_command_line(int4_ckpt, sources, tmp_path):
 # --- bad input ---------------------------------------------------------------------------------------------------
 
 def _damaged(int4_ckpt, tmp_path, name="q35", edit_tensors=None, edit_config=None):
-    path = tmp_path / "bad"
-    shutil.copytree(int4_ckpt(name)[0], path)
-    if edit_tensors:
-        f = path / "model.safetensors"
-        tensors = load_file(f)
-        edit_tensors(tensors)
-        save_file(tensors, f, metadata={"format": "pt"})
-    if edit_config:
-        conf = json.loads((path / "config.json").read_text())
-        edit_config(conf["quantization_config"])
-        (path / "config.json").write_text(json.dumps(conf))
-    return path
+    return damaged_copy(int4_ckpt(name)[0], tmp_path / "bad", edit_tensors, edit_config)
 
 
 Q = "model.language_model.layers.1.self_attn.q_proj"  # q35: K 64, N 128 (query and gate), one group
