@@ -96,9 +96,11 @@ class DraftModelDrafter:
     def _check(self, seq: torch.Tensor) -> None:
         """The draft's state must be a prefix of the committed sequence: a new request (another conversation, a
         regenerate, the target restored to an earlier snapshot) may not extend what the draft processed. One
-        comparison and host sync per request (prefill's, not the decode loop's); a mismatch restarts the draft."""
+        comparison and host sync per request (prefill's, not the decode loop's); a mismatch restarts the draft.
+        So does a state holding the whole sequence (a turn restored to exactly what the draft had processed):
+        drafting feeds at least the last token, whose logits give the first draft."""
         P = self.caches.processed
-        if P and (P > seq.shape[0] or not torch.equal(self.seen[:P], seq[:P])):
+        if P and (P >= seq.shape[0] or not torch.equal(self.seen[:P], seq[:P])):
             self.caches.reset()
 
     def _prefill(self, seq: torch.Tensor, upto: int) -> None:

@@ -120,3 +120,20 @@ def test_cli_run_with_drafter_auto(hybrid, capsys):
     assert main(["run", "--model", str(target), "--drafter", "auto", "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--drafter auto: no draft model" in err, err
+
+
+def test_a_draft_that_holds_the_whole_sequence_restarts_instead_of_feeding_nothing(hybrid):
+    """A restored turn can leave the draft's caches holding exactly the committed sequence (seen once in a clean
+    CI run of the auto test: a 0-token forward). Drafting must feed the last token, so the draft restarts."""
+    from engine.timing import PhaseTimer
+
+    target, draft, _ = hybrid
+    engine = load_engine(str(target), draft_model=str(draft), drafter="draft")
+    prompt = engine.encode_chat(PROMPTS[0])
+    decode(engine, prompt, depth=2, max_new_tokens=8)
+    d = engine.draft_drafter
+    seq = d.seen[: d.caches.processed].clone()  # all it processed, and nothing more
+    with torch.inference_mode():  # (as the engine drives it)
+        d.prime(seq, seq.shape[0] - 1)
+        drafts, _ = d.propose(seq, 2, PhaseTimer(torch.device("cpu")))
+    assert drafts.shape[0] == 2 and d.caches.processed == seq.shape[0] - 1
