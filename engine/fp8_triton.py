@@ -10,8 +10,8 @@ not the weight). Two kernels:
   - rows: the tile converted to float32 once, then CUDA-core multiply-adds row after row (a runtime loop, so
     decoding's one row costs one row);
   - dot: a tensor-core dot of the tile against 16 / 64 / 128 padded activation rows (verify, graph prefills).
-Partials of K slices land in a float32 buffer summed, in order, by a third kernel that writes x's dtype; an
-unsplit configuration writes the output directly. No atomics: results are deterministic.
+Partials of K slices land in a float32 buffer that the last slice to finish sums, in slice order, into x's
+dtype (splitk.store_tile); an unsplit configuration writes the output directly. Results are deterministic.
 
 Activations stay in bf16 / fp16: the config's dynamic per-token-group activation scheme would add activation
 rounding for nothing at these widths, where the tensor cores idle while the weight streams in.
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from .fp8 import BLOCK, FP8Linear, dequantize
 from .kernels import relative_error
-from .splitk import bucket, fastest, finish, output, triton
+from .splitk import bucket, fastest, output, store_tile, triton
 
 if triton is not None:
     import triton.language as tl
@@ -59,7 +59,7 @@ _chosen: dict[tuple, tuple] = {}  # (N, K, bucket, device index) -> the timed (k
 
 if triton is not None:
     @triton.jit
-    def _fp8_rows(X, W, S, P, M, N, K, stride_xm, stride_wn, stride_sn, KS: tl.constexpr,
+    def _fp8_rows(X, W, S, Y, P, LOCKS, M, N, K, stride_xm, stride_wn, stride_sn, KS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pn, pk = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,11 +75,10 @@ if triton is not None:
                 x = tl.load(X + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
                 part = tl.sum(w * x[None, :], 1) * s
                 acc = tl.where(r[:, None] == m, acc + part[None, :], acc)
-        tl.store(P + (pk * M + r[:, None]) * N + n[None, :], acc.to(P.dtype.element_ty),
-                 mask=(r[:, None] < M) & (n[None, :] < N))
+        store_tile(Y, P, LOCKS, acc, r[:, None], n[None, :], (r[:, None] < M) & (n[None, :] < N), M, N, pn)
 
     @triton.jit
-    def _fp8_dot(X, W, S, P, M, N, K, stride_xm, stride_wn, stride_sn, KS: tl.constexpr,
+    def _fp8_dot(X, W, S, Y, P, LOCKS, M, N, K, stride_xm, stride_wn, stride_sn, KS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,8 +91,8 @@ if triton is not None:
             w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
             s = tl.load(S + (n // BLOCK_K) * stride_sn + b, mask=n < N, other=0.0)
             acc += tl.dot(x, tl.trans(w.to(x.dtype))) * s[None, :]
-        tl.store(P + (pk * M + m[:, None]) * N + n[None, :], acc.to(P.dtype.element_ty),
-                 mask=(m[:, None] < M) & (n[None, :] < N))
+        store_tile(Y, P, LOCKS, acc, m[:, None], n[None, :], (m[:, None] < M) & (n[None, :] < N), M, N,
+                   pn + pm * tl.num_programs(0))
 
 
     @triton.jit
@@ -141,18 +140,18 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, choice)
     N = weight.shape[0]
     blocks = triton.cdiv(K, BLOCK)
     slices = triton.cdiv(blocks, min(ks, blocks))
-    out, part = output(M, N, slices, x2)
+    out, part, locks = output(M, N, slices, x2)
     if kind == "rows":
         block_m = triton.next_power_of_2(max(M, 1))
         _fp8_rows[(triton.cdiv(N, block_n), slices)](
-            x2, weight, scale, part, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0), KS=min(ks, blocks),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages)
+            x2, weight, scale, out, part, locks, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0),
+            KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages)
     else:
         block_m = max(16, bucket(M)) if M > 8 else 16
         _fp8_dot[(triton.cdiv(N, block_n), slices, triton.cdiv(M, block_m))](
-            x2, weight, scale, part, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0), KS=min(ks, blocks),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages)
-    return finish(part, out)
+            x2, weight, scale, out, part, locks, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0),
+            KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages)
+    return out
 
 
 def _config(M: int, N: int, K: int, device: torch.device):

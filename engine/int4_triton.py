@@ -3,16 +3,17 @@ along K, zeros uint8 [G, N], scales [G, N]) dequantized in registers.
 
 Up to MAX_ROWS rows (decode, verify, graph prefills) one kernel streams the packed weight: each program owns
 BLOCK_N output columns and a slice of K's blocks (BLOCK_K rows inside one group, so one zero / scale row serves a
-block), unpacks a [BLOCK_K, BLOCK_N] tile, computes (q - zero) * scale in float32, rounds it to the activation's
-dtype (as the dequantizing reference rounds it) and runs one tensor-core dot against 16 / 64 / 128 padded rows.
-K slices' float32 partials are summed in order by a second kernel (splitk.py): the first version had no split,
-and the 27B shape's down projection (N 5,120, 80 programs of 64 columns for 132 SMs, 136 blocks each) streamed at
-0.5 TB/s; with the split the whole step reached 0.77 TB/s (50 tok/s), still far from the weights' 15 GB at 4.8.
-For up to ROWS_MAX rows a CUDA-core form takes each word's 8 nibbles one shift at a time against their 8 input
-rows (no reshape of the unpacked tile into the dot's layout, no 16-row padding); it has not run on a GPU yet, so it
-only competes: the kernel and configuration are timed per (N, K, group, width bucket) at load inside CUDA graphs,
-as fp8_triton does, among the choices whose output agrees with the dot form's default. Wider inputs (long prefills) dequantize with a kernel into a temporary 16-bit weight, then cuBLAS: compute-
-bound there, the temporary's write and read are a small share (the torch-ops unpacking it replaces cost 0.86 s
+block) and runs tensor-core dots against 16 / 64 / 128 padded rows. Two forms of the unpacking compete:
+  - dot: the [BLOCK_K, BLOCK_N] tile unpacked, (q - zero) * scale in float32 (two conversion instructions per
+    weight) rounded to the activation's dtype, reshaped into one dot's layout. On the H200 it streamed 0.74-1.0
+    TB/s of packed bytes at one row (packaging/bench/quant_kernels.py), against 3.3 for the FP8 row kernel, and
+    CUDA-core forms (float32 magic-number unpacking, one row or 4) were slower still: measured, then deleted;
+  - dot8: no conversion instruction and no reshape (_w4a16_dot8), for groups of 128 (and -1): 0.242 ms over the
+    27B shape's seven projections at one row, against dot's 0.298 and bf16 cuBLAS's 0.259; 1.2 TB/s.
+K slices' float32 partials are summed in slice order by the last slice to finish (splitk.store_tile). The
+kernel and configuration are timed per (N, K, group, width bucket) at load inside CUDA graphs, as fp8_triton
+does, among the choices whose output agrees with the dot form's default. Wider inputs (long prefills) dequantize
+with a kernel into a temporary 16-bit weight, then cuBLAS: compute-bound there, the temporary's write and read are a small share (the torch-ops unpacking it replaces cost 0.86 s
 for a 32-token prefill of the 27B shape).
 
 Act-order weights come with their rows sorted by group (int4.py): the input columns are permuted to match.
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import relative_error
-from .splitk import bucket, fastest, finish, output, triton
+from .splitk import bucket, fastest, output, store_tile, triton
 
 if triton is not None:
     import triton.language as tl
@@ -37,9 +38,9 @@ ALL = 1 << 20  # "K blocks per program": all of them (no split: the output is wr
 CONFIGS = {
     "dot": [(64, 8, 4, 3), (128, 8, 4, 3), (128, 4, 4, 3), (64, 4, 4, 4), (128, 16, 8, 3), (256, 8, 8, 3),
             (64, ALL, 4, 3), (32, 8, 4, 4)],
-    "rows": [(64, 4, 4, 2), (128, 4, 4, 2), (64, 8, 4, 3), (128, 8, 8, 2), (256, 4, 8, 2), (32, 4, 4, 2)],
+    "dot8": [(64, 8, 4, 3), (128, 8, 4, 3), (128, 4, 4, 3), (64, 4, 4, 4), (256, 8, 8, 3), (128, 16, 8, 3),
+             (64, ALL, 4, 3), (32, 8, 4, 4)],
 }
-ROWS_MAX = 8  # the widths the CUDA-core kernel may serve (its cost grows with them)
 _chosen: dict[tuple, tuple] = {}  # (N, K, group, bucket, device index) -> the timed (kernel, configuration)
 
 
@@ -80,7 +81,7 @@ if triton is not None:
         return packed, z, s
 
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel per row bucket: none compiles inside a capture
-    def _w4a16(X, QW, Z, S, P, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s, KS: tl.constexpr,
+    def _w4a16(X, QW, Z, S, Y, P, LOCKS, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s, KS: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,33 +99,38 @@ if triton is not None:
             ks = k0 + offs_k
             x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks < K)[None, :], other=0.0)
             acc += tl.dot(x, w)
-        tl.store(P + (pk * M + m[:, None]) * N + n[None, :], acc.to(P.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        store_tile(Y, P, LOCKS, acc, m[:, None], n[None, :], m_ok[:, None] & n_ok[None, :], M, N,
+                   pn + pm * tl.num_programs(0))
 
     @triton.jit(do_not_specialize=["M"])
-    def _w4a16_rows(X, QW, Z, S, P, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s, KS: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The CUDA-core form for a few rows: each packed word's 8 nibbles are taken one shift at a time against
-        the 8 input rows they belong to (no [BLOCK_K, BLOCK_N] reshape, no padded dot), row after row."""
-        pn, pk = tl.program_id(0), tl.program_id(1)
+    def _w4a16_dot8(X, QW, Z, S, Y, P, LOCKS, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s,
+                    KS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    MAGIC: tl.constexpr, BASE: tl.constexpr):
+        """The tensor-core form without conversion instructions or a reshape: nibble j of every word is OR-ed
+        into the mantissa of a 16-bit float BASE (128 in bf16, 1024 in fp16: the float's value is BASE + q,
+        exact), BASE + zero is subtracted (exact), the group scale multiplies in x's dtype (one rounding, as
+        the dequantizing reference rounds), and each nibble's [BLOCK_K / 8, BLOCK_N] tile meets the input
+        columns k0 + 8i + j in its own dot."""
+        pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_p = tl.arange(0, BLOCK_K // 8)
-        r = tl.arange(0, BLOCK_M)
-        n_ok = n < N
+        m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+        i = tl.arange(0, BLOCK_K // 8)
+        n_ok, m_ok = n < N, m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for b in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
             k0 = b * BLOCK_K
             packed, z, s = _packed_block(QW, Z, S, k0, n, n_ok, K, GROUP, stride_q, stride_z, stride_s, BLOCK_K)
-            for j in tl.static_range(8):  # nibble j of word i: input row k0 + 8i + j
-                w = (((packed >> (4 * j)) & 0xF).to(tl.float32) - z[None, :]) * s[None, :]
-                w = w.to(X.dtype.element_ty).to(tl.float32)  # rounded as the dequantized weight is
-                ks = k0 + offs_p * 8 + j
-                for m in range(M):  # a runtime loop: one row costs one row's multiply-adds
-                    x = tl.load(X + m * stride_xm + ks, mask=ks < K, other=0.0).to(tl.float32)
-                    part = tl.sum(w * x[:, None], 0)
-                    acc = tl.where(r[:, None] == m, acc + part[None, :], acc)
-        tl.store(P + (pk * M + r[:, None]) * N + n[None, :], acc.to(P.dtype.element_ty),
-                 mask=(r[:, None] < M) & n_ok[None, :])
+            base = (z + BASE).to(X.dtype.element_ty)
+            scale = s.to(X.dtype.element_ty)
+            for j in tl.static_range(8):
+                q = (((packed >> (4 * j)) & 0xF) | MAGIC).to(tl.int16).to(X.dtype.element_ty, bitcast=True)
+                w = (q - base[None, :]) * scale[None, :]
+                ks = k0 + i * 8 + j
+                x = tl.load(X + m[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & (ks < K)[None, :],
+                            other=0.0)
+                acc += tl.dot(x, w)
+        store_tile(Y, P, LOCKS, acc, m[:, None], n[None, :], m_ok[:, None] & n_ok[None, :], M, N,
+                   pn + pm * tl.num_programs(0))
 
     @triton.jit
     def _dequantize(QW, Z, S, W, N, K, GROUP, stride_q, stride_z, stride_s,
@@ -142,26 +148,29 @@ if triton is not None:
 
 
 def _launch(x2: torch.Tensor, qweight, zeros, scales, group: int, choice) -> torch.Tensor:
-    """One (kernel, configuration): "dot" (tensor cores, any width) or "rows" (CUDA cores, up to ROWS_MAX)."""
+    """One (kernel, configuration): "dot" or "dot8" (tensor cores, any width, 16 rows and more per dot)."""
     kind, (block_n, ks, warps, stages) = choice
     M, K = x2.shape
     N = qweight.shape[1]
     bk = block_k(group, K)
     blocks = triton.cdiv(K, bk)
     slices = triton.cdiv(blocks, min(ks, blocks))
-    out, part = output(M, N, slices, x2)
-    args = (x2, qweight, zeros, scales, part, M, N, K, K if group == -1 else group, x2.stride(0), qweight.stride(0),
-            zeros.stride(0), scales.stride(0))
-    if kind == "rows":
-        _w4a16_rows[(triton.cdiv(N, block_n), slices)](*args, KS=min(ks, blocks), BLOCK_M=ROWS_MAX,
-                                                        BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps,
-                                                        num_stages=stages)
+    out, part, locks = output(M, N, slices, x2)
+    args = (x2, qweight, zeros, scales, out, part, locks, M, N, K, K if group == -1 else group, x2.stride(0),
+            qweight.stride(0), zeros.stride(0), scales.stride(0))
+    block_m = 16 if M <= 16 else bucket(M)
+    if kind == "dot8":  # (its dots' K is BLOCK_K / 8: tensor cores need 16)
+        if bk < 128:
+            raise ValueError(f"dot8 needs 128-row K-blocks, not {bk}")
+        magic, base = (0x6400, 1024.0) if x2.dtype == torch.float16 else (0x4300, 128.0)
+        _w4a16_dot8[(triton.cdiv(N, block_n), slices, triton.cdiv(M, block_m))](
+            *args, KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, MAGIC=magic, BASE=base,
+            num_warps=warps, num_stages=stages)
     else:
-        block_m = 16 if M <= 16 else bucket(M)
         _w4a16[(triton.cdiv(N, block_n), slices, triton.cdiv(M, block_m))](
             *args, KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps,
             num_stages=stages)
-    return finish(part, out)
+    return out
 
 
 def dequantize(qweight, zeros, scales, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -199,7 +208,7 @@ def tune(lin, rows: int) -> tuple:
             except Exception:  # (too much shared memory for this GPU, say: fastest() would skip it too)
                 return False
 
-        kinds = ("rows", "dot") if rows <= ROWS_MAX else ("dot",)
+        kinds = [k for k in CONFIGS if k != "dot8" or block_k(lin.group_size, K) == 128]
         good = [(k, c) for k in kinds for c in CONFIGS[k] if agrees((k, c))] or [("dot", CONFIGS["dot"][0])]
         _chosen[key] = fastest(good, run)
     return _chosen[key]

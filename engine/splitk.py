@@ -2,8 +2,8 @@
 in order, and choosing a kernel configuration by timing it inside a CUDA graph.
 
 At decode widths a quantized linear costs what streaming its weight costs; a narrow projection (N / BLOCK_N
-programs) cannot fill 132 SMs, so K is split into slices whose float32 partials one more kernel sums, in slice
-order (no atomics: results are deterministic and a row's result does not depend on the other rows).
+programs) cannot fill 132 SMs, so K is split into slices whose float32 partials the last slice to finish sums,
+in slice order (store_tile: deterministic, and a row's result does not depend on the other rows).
 """
 
 from __future__ import annotations
@@ -30,26 +30,43 @@ def bucket(rows: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _sum_slices(P, Y, MN, SLICES: tl.constexpr, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        acc = tl.zeros([BLOCK], tl.float32)
-        for sl in range(SLICES):  # in order: deterministic
-            acc += tl.load(P + sl * MN + i, mask=i < MN, other=0.0)
-        tl.store(Y + i, acc.to(Y.dtype.element_ty), mask=i < MN)
+    def store_tile(Y, P, LOCKS, acc, rows, cols, mask, M, N, tile):
+        """Write this program's float32 acc [rows, cols] of output tile `tile`: into Y (x's dtype) when K is not
+        split (grid axis 1 has one slice), else as its slice's partial, and the slice that arrives last sums the
+        tile's partials, in slice order (deterministic), into Y. One launch instead of a second kernel that sums
+        them: 300 of those cost about 0.6 ms of an 11 ms FP8 decoding step (H200). LOCKS[tile] counts the
+        arrived slices; the last one sets it back to 0 for the next launch (and graph replay)."""
+        slices = tl.num_programs(1)
+        if slices == 1:
+            tl.store(Y + rows * N + cols, acc.to(Y.dtype.element_ty), mask=mask)
+        else:
+            tl.store(P + (tl.program_id(1) * M + rows) * N + cols, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial is written before the count is released
+            arrived = tl.atomic_add(LOCKS + tile, 1, sem="acq_rel")
+            if arrived == slices - 1:
+                total = tl.zeros_like(acc)
+                for sl in range(slices):  # .cg: from L2, where the other programs' partials are
+                    total += tl.load(P + (sl * M + rows) * N + cols, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(Y + rows * N + cols, total.to(Y.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(LOCKS + tile, 0)
 
 
-def output(M: int, N: int, slices: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [M, N] in like's dtype, where the kernel writes): out itself unsplit, else float32 partials
-    [slices, M, N] that finish() sums into out."""
+TILES = 1 << 16  # output tiles a split launch may have (34,816 columns / 16 x 16 row blocks fit)
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def output(M: int, N: int, slices: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [M, N] in like's dtype, the float32 partials [slices, M, N] (out itself unsplit), the tile counters
+    for store_tile). The counters are zeros allocated once per device outside any CUDA-graph capture (a capture's
+    allocation would belong to its graph's pool): install() and tune() launch every kernel before graphs exist."""
     out = torch.empty(M, N, device=like.device, dtype=like.dtype)
-    return out, out if slices == 1 else torch.empty(slices, M, N, device=like.device, dtype=torch.float32)
-
-
-def finish(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    if part is not out:
-        MN = out.numel()
-        _sum_slices[(triton.cdiv(MN, 1024),)](part, out, MN, SLICES=part.shape[0], BLOCK=1024)
-    return out
+    part = out if slices == 1 else torch.empty(slices, M, N, device=like.device, dtype=torch.float32)
+    locks = _locks.get(like.device)
+    if locks is None:
+        if like.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K tile counters first needed inside a CUDA-graph capture")
+        locks = _locks[like.device] = torch.zeros(TILES, device=like.device, dtype=torch.int32)
+    return out, part, locks
 
 
 def graph_ms(fn: Callable, reps: int = 32) -> float:

@@ -45,10 +45,10 @@ def test_the_row_kernel_gives_a_row_what_it_gives_it_alone(triton_device):
     dtype = torch.bfloat16 if triton_device.type == "cuda" else torch.float16
     w, s = _fp8(384, 512, triton_device)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1)).to(triton_device, dtype)
-    choice = ("rows", (64, 2, 4, 4))
-    verify = fp8_triton._launch(x, w, s, choice)
-    for i in range(5):
-        assert torch.equal(fp8_triton._launch(x[i : i + 1], w, s, choice), verify[i : i + 1])
+    for choice in (("rows", (64, 2, 4, 4)), ("dot", (32, 2, 4, 4))):
+        verify = fp8_triton._launch(x, w, s, choice)
+        for i in range(5):
+            assert torch.equal(fp8_triton._launch(x[i : i + 1], w, s, choice), verify[i : i + 1]), choice
 
 
 @pytest.mark.parametrize("n,k", [(256, 384), (200, 300)])  # whole blocks; partial edge blocks in N and K
@@ -129,3 +129,18 @@ def test_long_prefills_run_fp8_x_fp8_near_the_dequantized_matmul(monkeypatch):
     monkeypatch.setenv("MTPCHAT_FP8_PREFILL", "w8a16")
     assert "MTPCHAT_FP8_PREFILL" in fp8_triton.install([lin], "cuda", torch.bfloat16)
     assert lin.fp8_kernel is fp8_triton.matmul
+
+
+def test_split_k_leaves_its_tile_counters_at_zero_and_repeats_bit_for_bit(triton_device):
+    """The last K slice of each tile sums the partials and resets the tile's counter (splitk.store_tile): a
+    counter left behind would make the next launch (or graph replay) sum too early."""
+    from engine import fp8_triton, splitk
+
+    dtype = torch.bfloat16 if triton_device.type == "cuda" else torch.float16
+    w, s = _fp8(200, 1024, triton_device, seed=3)
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(2)).to(triton_device, dtype)
+    first = fp8_triton._launch(x, w, s, ("rows", (32, 2, 4, 4)))  # 4 slices of 2 blocks, 7 column tiles
+    assert not splitk._locks[x.device].any()
+    for _ in range(3):
+        assert torch.equal(fp8_triton._launch(x, w, s, ("rows", (32, 2, 4, 4))), first)
+    assert not splitk._locks[x.device].any()

@@ -327,9 +327,9 @@ def test_w4a16_kernel_equals_the_dequantized_reference(triton_device, k, n, grou
         # rows do not depend on each other: under one configuration (each width bucket has its own, timed at
         # load) the first row alone rounds as it does in the batch, split into K slices or not
         xs = x[0] if lin.perm is None else x[0].index_select(1, lin.perm)
-        choices = [("dot", c) for c in (int4_triton.CONFIGS["dot"][0], (32, 1, 4, 2), (64, int4_triton.ALL, 4, 2))]
-        if rows <= int4_triton.ROWS_MAX:  # the CUDA-core form, split and unsplit
-            choices += [("rows", c) for c in (int4_triton.CONFIGS["rows"][0], (32, 1, 4, 2), (64, int4_triton.ALL, 4, 2))]
+        kinds = ("dot", "dot8") if int4_triton.block_k(group_size, k) == 128 else ("dot",)  # (dot8: 128-row blocks)
+        choices = [(kind, c) for kind in kinds
+                   for c in (int4_triton.CONFIGS[kind][0], (32, 1, 4, 2), (64, int4_triton.ALL, 4, 2))]
         for choice in choices:
             batch = int4_triton._launch(xs, lin.qweight, lin.zeros, lin.scales, lin.group_size, choice)
             alone = int4_triton._launch(xs[:1], lin.qweight, lin.zeros, lin.scales, lin.group_size, choice)

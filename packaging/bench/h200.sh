@@ -16,6 +16,8 @@
 #   bash packaging/bench/h200.sh int4     # the W4A16 kernel's GPU tests, 27B shape Int4 speed, memory at 32k context
 #   bash packaging/bench/h200.sh where    # where a 27B-shape step's time goes: bf16 and FP8, eager and --compile
 #   bash packaging/bench/h200.sh draft    # draft models' cost per cycle on the 27B shape; FP8 routed-expert kernels
+#   bash packaging/bench/h200.sh kernels  # every quantized kernel form per call (quant_kernels.py), their GPU tests,
+#                                         # 27B shape Int4 and FP8 speed
 #   bash packaging/bench/h200.sh prefill  # 27B shape: prefill tok/s, TTFT, peak memory, decode at 200 .. 131072
 #                                         # prompt tokens; the demo model's MTP acceptance against context length
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
@@ -23,7 +25,7 @@ set -uo pipefail
 [ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-bench() { timeout 300 python3 -m app.cli bench "$@" 2>&1 | tail -25; }
+bench() { timeout "${BENCH_TIMEOUT:-300}" python3 -m app.cli bench "$@" 2>&1 | tail -25; }
 case "${1:-speed}" in
 speed)  # about 6 minutes
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -113,6 +115,17 @@ prefill)  # issue #22 items 5-6 (about 8 minutes; the 27B shape's 131072-token p
   # up to the demo model's 4096 positions: 4000 prompt tokens + 96 new ones
   timeout 150 python3 -m app.cli bench --model engine/assets/demo --prompt-tokens 128,1024,2048,4000 --depths 0,1,2,3 \
         --drafter mtp --max-new-tokens 96 --no-hf --out "$OUT/accept_ctx_demo.json" 2>&1 | tail -20
+  ;;
+kernels)  # issues #29 / #23 (about 9 minutes)
+  timeout 200 python3 packaging/bench/quant_kernels.py --json "$OUT/quant_kernels_h200.json" 2>&1 \
+        | grep -E "rows [0-9]+:" | tee "$OUT/quant_kernels.txt"
+  timeout 150 python3 -m pytest -q tests/test_int4.py tests/test_fp8_triton.py -p no:cacheprovider \
+        -k "kernel or cuda or alone or fp8_x_fp8 or quantizer or install or split_k" 2>&1 \
+        | grep -E "FAIL|Error|passed|failed" | tail -12 | tee "$OUT/kernel_gpu_tests.txt"
+  BENCH_TIMEOUT=170 bench --random-weights qwen3.5-27b --quant int4 --depths 0,3 --drafter oracle --acceptance 1.0 \
+        --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_int4_h200.json"
+  BENCH_TIMEOUT=150 bench --random-weights qwen3.5-27b --quant fp8 --depths 0,3 --drafter oracle --acceptance 1.0 \
+        --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_fp8_h200.json"
   ;;
 int4)  # issue #29 (about 4 minutes)
   timeout 120 python3 -m pytest -q -rA tests/test_int4.py -k "kernel or cuda" -p no:cacheprovider 2>&1 \

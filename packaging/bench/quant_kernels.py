@@ -1,0 +1,88 @@
+"""Every kernel form and configuration of the quantized linears (engine/int4_triton.py, engine/fp8_triton.py) at
+the 27B shape's projections, per call inside CUDA graphs, at decoding's 1 row and depth 3's 4 rows: the best
+configuration of each form, its streamed bytes per second, and bf16 cuBLAS on the same shape. This is how a
+new kernel form earns (or loses) its place in CONFIGS; install() then times the survivors per shape at load.
+
+    python3 packaging/bench/quant_kernels.py [--quant int4,fp8] [--rows 1,4] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from engine import fp8, fp8_triton, int4_triton  # noqa: E402
+from engine.splitk import graph_ms  # noqa: E402
+
+# (name, N, K): the 27B shape's quantized linears, fused where fusion.py fuses them (as fp8_ops.py's)
+SHAPES = [("attn qkv (fused)", 14336, 5120), ("attn o_proj", 5120, 6144), ("gdn in_proj_qkv", 10240, 5120),
+          ("gdn in_proj_z", 6144, 5120), ("gdn out_proj", 5120, 6144), ("mlp gate_up (fused)", 34816, 5120),
+          ("mlp down_proj", 5120, 17408)]
+
+
+def int4_case(n: int, k: int, group: int = 128):
+    g = k // group
+    qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), device="cuda", dtype=torch.int32)
+    zeros = torch.randint(0, 16, (g, n), device="cuda", dtype=torch.uint8)
+    scales = (torch.rand(g, n, device="cuda") * 0.01).to(torch.bfloat16)
+    nbytes = qweight.numel() * 4 + zeros.numel() + scales.numel() * 2
+    return (lambda x, choice: int4_triton._launch(x, qweight, zeros, scales, group, choice)), int4_triton.CONFIGS, nbytes
+
+
+def fp8_case(n: int, k: int):
+    w, s = fp8.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    return (lambda x, choice: fp8_triton._launch(x, w, s, choice)), fp8_triton.CONFIGS, w.numel() + s.numel() * 4
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quant", default="int4,fp8")
+    p.add_argument("--rows", default="1,4")
+    p.add_argument("--json")
+    a = p.parse_args()
+    out = []
+    for quant in a.quant.split(","):
+        totals: dict[tuple, float] = {}
+        for name, n, k in SHAPES:
+            run, configs, nbytes = (int4_case if quant == "int4" else fp8_case)(n, k)
+            w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            for rows in (int(r) for r in a.rows.split(",")):
+                x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+                ref = run(x, next((kind, c[0]) for kind, c in configs.items() if kind == "dot")).float()
+                row = {"quant": quant, "shape": name, "N": n, "K": k, "rows": rows,
+                       "bf16_ms": graph_ms(lambda: F.linear(x, w16))}
+                for kind, choices in configs.items():
+                    if rows > 8 and kind != "dot":
+                        continue
+                    timed = {}
+                    for c in choices:
+                        try:
+                            y = run(x, (kind, c)).float()
+                            err = ((y - ref).abs().max() / ref.abs().max()).item()
+                            timed[c] = (graph_ms(lambda: run(x, (kind, c))), err)
+                        except Exception as e:  # noqa: BLE001 (a configuration this GPU cannot run)
+                            timed[c] = (float("inf"), f"{type(e).__name__}: {str(e)[:80]}")
+                    best = min(timed, key=lambda c: timed[c][0])
+                    ms, err = timed[best]
+                    row[kind] = {"best": best, "ms": ms, "tb_s": nbytes / ms / 1e9 if ms < float("inf") else 0,
+                                 "err_vs_dot": err, "all_ms": {str(c): round(t[0], 4) for c, t in timed.items()}}
+                    totals[(kind, rows)] = totals.get((kind, rows), 0.0) + ms
+                totals[("bf16", rows)] = totals.get(("bf16", rows), 0.0) + row["bf16_ms"]
+                print(json.dumps({key: (v if not isinstance(v, dict) else
+                                        {kk: vv for kk, vv in v.items() if kk != "all_ms"}) for key, v in row.items()}),
+                      flush=True)
+                out.append(row)
+        for (kind, rows), ms in sorted(totals.items(), key=lambda t: (t[0][1], t[1])):
+            print(f"{quant} rows {rows}: {kind:8s} {ms:.3f} ms over the {len(SHAPES)} shapes", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
