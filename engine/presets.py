@@ -98,13 +98,70 @@ def plant_next_token_map(embed: torch.Tensor, lm_head: torch.Tensor, rows: tuple
         lm_head[a - start : b - start] = (unit / unit.norm(dim=-1, keepdim=True)).to(lm_head.dtype)
 
 
+def _quantize(module: torch.nn.Module, quant: str) -> None:
+    """As quantized checkpoints load. "fp8": linears FP8Linear, routed experts FP8Experts; "int4": the same linears
+    4-bit (int4.quantize_linears), experts stay in the model dtype; "bf16": nothing."""
+    if quant == "fp8":
+        from .fp8 import quantize_experts, quantize_linears
+
+        quantize_linears(module)
+        quantize_experts(module)
+    elif quant == "int4":
+        from .int4 import quantize_linears
+
+        quantize_linears(module)
+
+
+@torch.no_grad()
+def _materialise(lm, modules: list, device: torch.device) -> None:
+    """Give `modules` (their own tensors only: recurse=False) real storage on `device`, initialised as post_init
+    initialises them: the HF model's _init_weights on each, children before their parents as initialize_weights
+    visits them (a MoE block initialises its router's weight itself). Buffers too: the rotary inv_freq."""
+    for m in modules:
+        m.to_empty(device=device, recurse=False)
+    for m in reversed(modules):  # (module lists are parents first: reversed, every child precedes its parent)
+        lm._init_weights(m)
+
+
+def _builds_layerwise(quant: str, group) -> bool:
+    """Whether random_model builds one decoder layer at a time (_build_layerwise): quantized without tensor
+    parallelism. The bf16 path (its weights, seed for seed, are what tests and benchmarks compare) and the TP
+    shards (each a fraction of the model) build whole, then quantize."""
+    return quant in ("fp8", "int4") and group is None
+
+
+def _build_layerwise(family, cfg, has_experts: bool, with_mtp: bool, device: torch.device, quant: str):
+    """(causal LM, MTP head or None) with quantized linears, built without ever holding the bf16 model whole:
+    Qwen3-Next-80B-A3B is ~160 GB in bf16, more than one H200, and ~80 GB in FP8. Built on meta (transformers'
+    init_weights skips meta), then made real part by part: embeddings, final norm and lm_head first (kept in the
+    model dtype, as quantized checkpoints keep them), then each decoder layer initialised and quantized before the
+    next exists, then the MTP head likewise (initialised as the trunk's layers, since it is one of them)."""
+    from .mtp import MTPHead
+
+    with torch.device("meta"):
+        lm = family.causal_lm_class()(cfg)
+        head = MTPHead(MTPHead.layer_config(cfg, has_experts), family, 1) if with_mtp else None
+    in_layers = {id(m) for m in lm.model.layers.modules()}
+    _materialise(lm, [m for m in lm.modules() if id(m) not in in_layers], device)
+    lm.tie_weights(recompute_mapping=False)  # to_empty gave lm_head and the embedding each new tensors: re-tie them
+    for layer in lm.model.layers:
+        _materialise(lm, list(layer.modules()), device)
+        _quantize(layer, quant)
+    if head is not None:
+        _materialise(lm, list(head.modules()), device)
+        _quantize(head, quant)
+    return lm, head
+
+
 def random_model(preset: str, layers: int | None, device: str | None, dtype: str | None, seed: int = 0,
                  group=None, quant: str = "bf16", vocab_size: int | None = None) -> Loaded:
     """Random weights in a preset's shape. group (a tp.TPGroup): this rank's shard only, on the group's device;
     the replicated tensors (embedding, norms, routers, the MTP fc) are broadcast from rank 0 so every rank
     computes the same thing. quant "fp8": the linears Qwen's FP8 releases quantize become block-128 FP8
     (fp8.quantize_linears) and the routed experts FP8 (fp8.quantize_experts), the MTP head's too, as FP8
-    checkpoints load. The draft presets (DRAFT_PRESETS) get no MTP head; vocab_size: see preset_config."""
+    checkpoints load; "int4": the same linears 4-bit. Quantized, at most one decoder layer at a time is in the
+    model dtype (_build_layerwise), so a model that fits only once quantized can be built. The draft presets
+    (DRAFT_PRESETS) get no MTP head; vocab_size: see preset_config."""
     from .mtp import MTPHead
 
     family, cfg, kw = preset_config(preset, layers, vocab_size)
@@ -120,12 +177,16 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
     torch.manual_seed(seed + (group.rank if group is not None else 0))
     old = torch.get_default_dtype()
     torch.set_default_dtype(dt)
+    layerwise = _builds_layerwise(quant, group)
     try:
-        with dev:
-            lm = family.causal_lm_class()(lcfg)
-            if plan is not None:
-                plan.adapt(lm)  # lm_head: this rank's vocab rows
-            head = MTPHead(MTPHead.layer_config(lcfg, bool(kw.get("num_experts"))), family, 1) if with_mtp else None
+        if layerwise:
+            lm, head = _build_layerwise(family, lcfg, bool(kw.get("num_experts")), with_mtp, dev, quant)
+        else:
+            with dev:
+                lm = family.causal_lm_class()(lcfg)
+                if plan is not None:
+                    plan.adapt(lm)  # lm_head: this rank's vocab rows
+                head = MTPHead(MTPHead.layer_config(lcfg, bool(kw.get("num_experts"))), family, 1) if with_mtp else None
     finally:
         torch.set_default_dtype(old)
     heads = [head] if head is not None else []
@@ -141,17 +202,9 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
         plant_next_token_map(lm.model.embed_tokens.weight, lm.lm_head.weight,
                              plan.vrange if plan is not None else None)
     lm.eval()
-    if quant == "fp8":  # as FP8 checkpoints load: linears FP8Linear, routed experts FP8Experts
-        from .fp8 import quantize_experts, quantize_linears
-
+    if not layerwise:  # (_build_layerwise quantized each layer as it built it)
         for module in (lm, *heads):
-            quantize_linears(module)
-            quantize_experts(module)
-    elif quant == "int4":  # the same linears, 4-bit (int4.quantize_linears); experts stay in the model dtype
-        from .int4 import quantize_linears
-
-        for module in (lm, *heads):
-            quantize_linears(module)
+            _quantize(module, quant)
     kinds = list(lcfg.layer_types)
     if group is not None:
         group.vocab_size = cfg.vocab_size
