@@ -55,10 +55,11 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-layers", type=int_in(1, None),
                    help="with --draft-model random:PRESET: keep only the draft's first N layers")
     p.add_argument("--acceptance", default="1.0,0.5,0", help="oracle acceptance rates (comma-separated)")
-    p.add_argument("--acceptance-profile", metavar="P1,P2,..|changing",
+    p.add_argument("--acceptance-profile", metavar="P1,P2,..|changing[;...]",
                    help="also an oracle drafting as real MTP heads do: draft position i accepted with probability "
                         "Pi given position i-1 was (e.g. 0.92,0.84,0.65,0.54); 'changing': an easy profile for "
-                        f"the first half of the reply, a hard one after ({CHANGING})")
+                        f"the first half of the reply, a hard one after ({CHANGING}); several profiles separated "
+                        "by ';' are rows of one run (one model load)")
     p.add_argument("--max-new-tokens", type=max_new_tokens(2), default=128)
     p.add_argument("--prompt", type=utf8_text, default="Write a short story about a lighthouse keeper.")
     p.add_argument("--prompt-tokens", type=positive_int_list, metavar="N[,N...]",
@@ -85,19 +86,21 @@ EASY, HARD = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.0]
 CHANGING = f"{','.join(map(str, EASY))} then {','.join(map(str, HARD))}"
 
 
-def acceptance_profile(args, n: int):
-    """(label, OracleDrafter keyword arguments) of --acceptance-profile, or None. n: the reply's length."""
-    text = args.acceptance_profile
-    if not text:
-        return None
-    if text.strip() == "changing":
-        return "oracle@changing", {"profile": EASY, "later": (n // 2, HARD)}
-    values = _floats(text, "--acceptance-profile")
-    if not values:
-        from engine import EngineError
+def acceptance_profiles(args, n: int) -> list[tuple[str, dict]]:
+    """(label, OracleDrafter keyword arguments) of each --acceptance-profile (';'-separated). n: the reply's
+    length."""
+    from engine import EngineError
 
-        raise EngineError(f"--acceptance-profile {text!r}: expected comma-separated rates or 'changing'")
-    return f"oracle@{'/'.join(f'{v:g}' for v in values)}", {"profile": values}
+    out = []
+    for text in (args.acceptance_profile or "").split(";") if args.acceptance_profile else []:
+        if text.strip() == "changing":
+            out.append(("oracle@changing", {"profile": EASY, "later": (n // 2, HARD)}))
+            continue
+        values = _floats(text, "--acceptance-profile")
+        if not values:
+            raise EngineError(f"--acceptance-profile {text!r}: expected comma-separated rates or 'changing'")
+        out.append((f"oracle@{'/'.join(f'{v:g}' for v in values)}", {"profile": values}))
+    return out
 
 
 def _floats(text: str, flag: str) -> list[float]:
@@ -156,6 +159,7 @@ def measure(engine: Engine, prompt, depth: int, n: int, repeat: int, make_drafte
             "ttft_ms": statistics.median(s["ttft_ms"] for s in stats),
             # the MTP head over the whole prompt, once per request: its attention cost at this context
             "priming_ms": last["phase_ms"].get("priming"),
+            **({"auto_depths": last["auto_depths"]} if last.get("auto_depths") else {}),  # --depth auto's picks
             **peak_memory(dev, memory_before), "tokens": runs[-1][1]}
 
 
@@ -497,7 +501,7 @@ def _check_args(args) -> None:
     from .cli import check_model_folder
 
     _floats(args.acceptance, "--acceptance")
-    acceptance_profile(args, args.max_new_tokens)
+    acceptance_profiles(args, args.max_new_tokens)
     if any(d not in ("mtp", "oracle", "draft", "auto") for d in _drafters(args)):
         raise EngineError(f"--drafter {args.drafter!r}: expected mtp, oracle, draft, auto (comma-separated)")
     for d in ("draft", "auto"):
@@ -639,7 +643,7 @@ def prompt_rows(engine: Engine, args, prompt: list[int], add, with_modes: bool) 
     plain = measure(engine, prompt, 0, n, args.repeat, sampling=sampling)
     reference = plain["tokens"]
     row(0, "none", mode, plain)
-    profile = acceptance_profile(args, n)
+    profiles = acceptance_profiles(args, n)
     for depth in spec_depths(args.depths):
         if "mtp" in drafters and engine.mtp_drafter is not None:
             row(depth, "mtp", mode, measure(engine, prompt, depth, n, args.repeat, lambda: engine.mtp_drafter,
@@ -652,10 +656,10 @@ def prompt_rows(engine: Engine, args, prompt: list[int], add, with_modes: bool) 
                 make = lambda: OracleDrafter(reference, len(prompt), 1.0 - rate, trunk.config.vocab_size,  # noqa: E731
                                              seed=depth)
                 row(depth, f"oracle@{rate:g}", mode, measure(engine, prompt, depth, n, args.repeat, make, sampling))
-            if profile is not None:
+            for label, kwargs in profiles:
                 make = lambda: OracleDrafter(reference, len(prompt), 0.0, trunk.config.vocab_size, seed=depth,  # noqa: E731
-                                             **profile[1])
-                row(depth, profile[0], mode, measure(engine, prompt, depth, n, args.repeat, make, sampling))
+                                             **kwargs)
+                row(depth, label, mode, measure(engine, prompt, depth, n, args.repeat, make, sampling))
         if "auto" in drafters and engine.auto_drafter is not None:  # (its estimates carry over from run to run)
             row(depth, engine.auto_drafter.name, mode, measure(engine, prompt, depth, n, args.repeat,
                                                                lambda: engine.auto_drafter, sampling))

@@ -313,7 +313,7 @@ class Engine:
         detok = TextStream(self.tokenizer)
         flight = Flight()
         ttft, ok, depth_cap = None, False, None
-        chooser, chosen = DepthChooser(AUTO_MAX_DEPTH), {}
+        chooser, chosen = DepthChooser(AUTO_MAX_DEPTH, mean_first=True), {}  # (first cycles count fully)
         with torch.inference_mode():
             try:
                 self.start_from(start, snap, drafter, len(prompt_ids) + settings.max_new_tokens)

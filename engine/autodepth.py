@@ -24,6 +24,10 @@ from .limits import MAX_DEPTH
 PRIOR_ACCEPTANCE = 0.6  # before any cycle: what released MTP heads reach at the first position, roughly
 WEIGHT = 0.15  # running means: the weight of the newest cycle (about the last 7 cycles count)
 PROBE_EVERY = 16
+# a cycle this many times the cheapest depth's running cost paid for something once (a CUDA-graph capture, a first
+# kernel call, the allocator growing): not its depth's cost. One such 400 ms cycle taken as depth 4's cost made
+# every deep depth look dear for the rest of a 27B reply (auto 2.54x plain where depth 4 gave 3.27x, H200)
+OUTLIER = 5.0
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -90,8 +94,12 @@ class DepthChooser:
         """One cycle: its depth, its per-position flags (Cycle.accepted_per_position) and its wall time (None:
         not a cost to go by)."""
         old = self.cost.get(depth)
+        if ms is not None and self.cost and ms > OUTLIER * min(self.cost.values()):
+            ms = None
         if ms is not None:
             self.cost[depth] = ms if old is None else old + WEIGHT * (ms - old)
+            cheapest = min(self.cost.values())  # (and a first cycle that was one: forgotten, measured again later)
+            self.cost = {d: c for d, c in self.cost.items() if c <= OUTLIER * cheapest}
         for i, flag in enumerate(accepted):  # position i was judged: i == 0 or i - 1 was accepted
             if i < self.max_depth:
                 self.judged[i] += 1

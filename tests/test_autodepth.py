@@ -78,3 +78,16 @@ def test_a_bad_depth_is_refused(engines):
     engine = engines("next")
     with pytest.raises(EngineError, match="or auto"):
         list(engine.generate([1, 2, 3], GenerationSettings(depth="deep")))
+
+
+def test_a_cycle_that_paid_a_one_time_cost_is_not_its_depths_cost():
+    """A graph capture inside one cycle (here 40x the others) must not make its depth, nor the depths the cost
+    line extrapolates past it, look dear: at full acceptance the chooser still goes deep."""
+    for first in (True, False):  # the outlier as the reply's first cycle, or later
+        c = DepthChooser(4, mean_first=True)
+        for i in range(30):
+            depth = c.pick()
+            slow = (i == 0) if first else (depth == 4 and 4 not in c.cost)
+            c.observe(depth, [True] * depth, 400.0 if slow else 10.0 + 0.1 * depth)
+        assert c.pick() == 4, (first, c.cost, c.why)
+        assert max(c.cost.values()) < 20.0

@@ -157,3 +157,26 @@ def test_bench_refuses_bad_prompt_tokens(value, says, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("mtpchat: error: argument --prompt-tokens: ")
     assert err[0].endswith(says), err
+
+
+def test_bench_acceptance_profiles_are_rows_of_one_run(capsys):
+    """Two --acceptance-profile values, ';'-separated: one row each per depth beside the flat rates; a profile of
+    1.0 then 0 accepts exactly the first draft of each cycle, 'changing' drops from its easy to its hard half."""
+    code = main(["bench", "--random-weights", "tiny", "--device", "cpu", "--depths", "0,3", "--drafter", "oracle",
+                 "--acceptance", "1.0", "--acceptance-profile", "1,0,0;changing", "--max-new-tokens", "24",
+                 "--repeat", "1", "--no-hf", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    rows = {(r["depth"], r["drafter"]): r for r in out["results"]}
+    assert set(rows) == {(0, "none"), (3, "oracle@1"), (3, "oracle@1/0/0"), (3, "oracle@changing")}
+    first = rows[3, "oracle@1/0/0"]
+    assert first["per_position_acceptance"][0] == 1.0 and first["per_position_acceptance"][1] == 0.0
+    changing = rows[3, "oracle@changing"]
+    assert 0 < changing["acceptance_rate"] < rows[3, "oracle@1"]["acceptance_rate"]
+    assert all(r["identical_to_plain"] for r in rows.values())
+
+
+def test_bench_refuses_a_bad_acceptance_profile(capsys):
+    code = main(["bench", "--random-weights", "tiny", "--acceptance-profile", "0.9,0.8;hard"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "--acceptance-profile 'hard'" in err[0], err
