@@ -13,8 +13,8 @@ block) and runs tensor-core dots against 16 / 64 / 128 padded rows. Two forms of
 K slices' float32 partials are summed in slice order by the last slice to finish (splitk.store_tile). The
 kernel and configuration are timed per (N, K, group, width bucket) at load inside CUDA graphs, as fp8_triton
 does, among the choices whose output agrees with the dot form's default. Wider inputs (long prefills) dequantize
-with a kernel into a temporary 16-bit weight, then cuBLAS: compute-bound there, the temporary's write and read are a small share (the torch-ops unpacking it replaces cost 0.86 s
-for a 32-token prefill of the 27B shape).
+with a kernel into a temporary 16-bit weight, then cuBLAS: compute-bound there, the temporary's write and read
+are a small share (the torch-ops unpacking it replaces cost 0.86 s for a 32-token prefill of the 27B shape).
 
 Act-order weights come with their rows sorted by group (int4.py): the input columns are permuted to match.
 Behind the custom op mtpchat::int4_linear (opaque to torch.compile, replayable in CUDA graphs).
@@ -81,8 +81,8 @@ if triton is not None:
         return packed, z, s
 
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel per row bucket: none compiles inside a capture
-    def _w4a16(X, QW, Z, S, Y, P, LOCKS, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s, KS: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _w4a16(X, QW, Z, S, Y, P, LOCKS, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s,
+               KS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
