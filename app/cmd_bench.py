@@ -653,11 +653,11 @@ def prompt_rows(engine: Engine, args, prompt: list[int], add, with_modes: bool) 
                                                                 lambda: engine.draft_drafter, sampling))
         if "oracle" in drafters:
             for rate in rates:
-                make = lambda: OracleDrafter(reference, len(prompt), 1.0 - rate, trunk.config.vocab_size,  # noqa: E731
-                                             seed=depth)
+                # (one seed for every depth: the rows' draws are common random numbers, see OracleDrafter.correct)
+                make = lambda: OracleDrafter(reference, len(prompt), 1.0 - rate, trunk.config.vocab_size)  # noqa: E731
                 row(depth, f"oracle@{rate:g}", mode, measure(engine, prompt, depth, n, args.repeat, make, sampling))
             for label, kwargs in profiles:
-                make = lambda: OracleDrafter(reference, len(prompt), 0.0, trunk.config.vocab_size, seed=depth,  # noqa: E731
+                make = lambda: OracleDrafter(reference, len(prompt), 0.0, trunk.config.vocab_size,  # noqa: E731
                                              **kwargs)
                 row(depth, label, mode, measure(engine, prompt, depth, n, args.repeat, make, sampling))
         if "auto" in drafters and engine.auto_drafter is not None:  # (its estimates carry over from run to run)
