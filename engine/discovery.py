@@ -72,7 +72,8 @@ class Candidate:
     source: str  # "embedded" | "hf-cache" | "folder"
     run_dtype: str | None = None  # the dtype mem_bytes assumes
     disk_bytes: int | None = None
-    # quantized tensors that load dequantizes to the run dtype (4-bit MoE experts): their bytes on disk, weights
+    # quantized tensors that load dequantizes to the run dtype (4-bit experts mixed with plain ones in one experts
+    # module: dequantized_at_load): their bytes on disk, weights
     dequantized_disk_bytes: int = 0
     dequantized_params: int = 0
     has_tokenizer: bool = False
@@ -296,20 +297,23 @@ def _default_name(root: Path) -> str:
     return root.name or str(root)
 
 
-# Per-expert 4-bit MoE weights: engine/int4.py dequantizes them at load (fuse_experts stacks plain weights), so
-# they take the run dtype's bytes. FP8 experts stay FP8 (fp8.FP8Experts): their size on disk is their memory.
-_INT4_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(?:gate_proj|up_proj|down_proj)\.(qweight|qzeros|scales|g_idx)$")
+# Per-expert 4-bit MoE weights stay 4-bit (int4.Int4Experts): their size on disk is their memory, as FP8 experts'
+# (fp8.FP8Experts). Only an experts module mixing plain and 4-bit experts is dequantized at load (int4.py's
+# _install_experts), to the run dtype.
+_INT4_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)\.(qweight|qzeros|scales|g_idx)$")
+_PLAIN_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)\.weight$")
 
 
 def dequantized_at_load(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[int, int]:
     """(bytes on disk, weights) of the quantized tensors (safetensors headers: name -> (dtype, shape)) that load
-    dequantizes to the run dtype."""
+    dequantizes to the run dtype: the 4-bit experts of experts modules that also hold plain experts."""
+    mixed = {m.group(1) for k in tensors if (m := _PLAIN_EXPERT.match(k))}
     disk = weights = 0
     for k, (dt, shape) in tensors.items():
-        m = _INT4_EXPERT.search(k)
-        if m:
+        m = _INT4_EXPERT.match(k)
+        if m and m.group(1) in mixed:
             disk += _numel(shape) * SAFETENSORS_DTYPES.get(dt, (None, 4))[1]
-            weights += _numel(shape) * 8 if m.group(1) == "qweight" else 0  # 8 nibbles an int32
+            weights += _numel(shape) * 8 if m.group(2) == "qweight" else 0  # 8 nibbles an int32
     return disk, weights
 
 

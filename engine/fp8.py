@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import EngineError
-from .modules import child, plain_linear
+from .modules import DequantizingExperts, child, plain_linear
 from .families import PER_EXPERT
 
 BLOCK = 128
@@ -130,7 +130,7 @@ class FP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block {BLOCK}"
 
 
-class FP8Experts(nn.Module):
+class FP8Experts(DequantizingExperts):
     """MoE experts in block-128 FP8, stacked as transformers' fused experts module stacks them (gate_up_proj
     [E, 2I, H]: each expert's gate rows, then its up rows; down_proj [E, H, I]), with float32 block scales:
     gate_up_proj_scale_inv [E, 2 * ceil(I/128), ceil(H/128)] — the gate's block rows, then the up's, each half its
@@ -161,21 +161,6 @@ class FP8Experts(nn.Module):
         w, s = self.gate_up_proj[ids], self.gate_up_proj_scale_inv[ids]
         halves = dequantize(w.unflatten(-2, (2, self.intermediate_dim)), s.unflatten(-2, (2, -1)), dtype)
         return halves.flatten(-3, -2), dequantize(self.down_proj[ids], self.down_proj_scale_inv[ids], dtype)
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        """transformers' experts loop (experts in ascending order, each one's (slot, token) pairs slot-major), each
-        routed expert dequantized first: on the CPU in float32 it computes what transformers computes on the
-        dequantized twin."""
-        out = torch.zeros_like(hidden_states)
-        by_slot = top_k_index.t()
-        for e in top_k_index.unique().tolist():
-            slot, token = torch.where(by_slot == e)
-            gate_up, down = self.dense(torch.tensor([e], device=top_k_index.device), hidden_states.dtype)
-            gate, up = F.linear(hidden_states[token], gate_up[0]).chunk(2, dim=-1)
-            y = F.linear(self.act_fn(gate) * up, down[0]) * top_k_weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, " \

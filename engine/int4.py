@@ -30,9 +30,13 @@ At load every quantized Linear becomes an Int4Linear holding one layout for both
 (`perm`: sorted row i is input row perm[i]), so each group is contiguous, as a kernel reads it. The forward
 dequantizes in float32 — exact: (q - zero) is a small integer and the float16 scale has 11 significant bits — then
 runs F.linear in the activation's dtype, rows back in the input's order, so on the CPU in float32 the engine
-computes what transformers computes on the exactly-dequantized twin. Quantized tensors of modules that are not a
-plain Linear (per-expert MoE weights that fuse_experts stacks, GDN projections whose packing the loader converts)
-are dequantized at load to the model dtype, as engine/fp8.py does.
+computes what transformers computes on the exactly-dequantized twin. Per-expert MoE weights
+(experts.J.{gate,up,down}_proj) stay 4-bit too: their fused experts module becomes an Int4Experts holding every
+expert's tensors in the same layout, stacked (gate and up side by side in columns), act-order rows sorted per expert
+and projection; each routed expert is dequantized (exactly, in float32) when it runs, as fp8.FP8Experts does. Only
+where one stacked tensor cannot hold them (an experts module mixing plain and 4-bit experts, or group sizes / scale
+dtypes that differ between experts) are they dequantized at load to the model dtype, as are quantized tensors of
+other modules that are not a plain Linear (GDN projections whose packing the loader converts).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import EngineError
-from .modules import child, plain_linear
+from .modules import DequantizingExperts, child, plain_linear
 
 METHODS = ("gptq", "awq")
 BITS = 4
@@ -191,9 +195,10 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_rows(qweight: torch.Tensor) -> torch.Tensor:
-    """GPTQ's qweight [K/8, N] (packed along K) -> the 4-bit values [K, N] as uint8."""
-    k8, n = qweight.shape
-    return _nibbles(qweight).transpose(1, 2).reshape(k8 * PACK, n).to(torch.uint8)
+    """GPTQ's qweight [..., K/8, N] (packed along K) -> the 4-bit values [..., K, N] as uint8 (leading dims:
+    stacked experts)."""
+    *lead, k8, n = qweight.shape
+    return _nibbles(qweight).transpose(-1, -2).reshape(*lead, k8 * PACK, n).to(torch.uint8)
 
 
 def unpack_columns(words: torch.Tensor, awq: bool = False) -> torch.Tensor:
@@ -223,12 +228,13 @@ def n_groups(k: int, group_size: int) -> int:
 
 
 def dequantize_sorted(qweight, zeros, scales, group_size: int) -> torch.Tensor:
-    """float32 [K, N] (rows in the stored, group-sorted order): (q - zero) * scale, exact in float32."""
+    """float32 [..., K, N] (rows in the stored, group-sorted order): (q - zero) * scale, exact in float32.
+    Leading dims (stacked experts) pass through."""
     q = unpack_rows(qweight)
-    k = q.shape[0]
+    k = q.shape[-2]
     rows = k if group_size == -1 else group_size  # groups are contiguous: repeat each group's row (no gather)
-    z = zeros.float().repeat_interleave(rows, 0)[:k]
-    s = scales.float().repeat_interleave(rows, 0)[:k]
+    z = zeros.float().repeat_interleave(rows, -2)[..., :k, :]
+    s = scales.float().repeat_interleave(rows, -2)[..., :k, :]
     return (q.float() - z) * s
 
 
@@ -267,15 +273,156 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group_size}{act}"
 
 
+class Int4Experts(DequantizingExperts):
+    """MoE experts kept 4-bit: each expert's gate / up / down Linear in the one layout (Int4Linear's), stacked as
+    transformers' fused experts module stacks them. gate_up: the gate's N columns, then the up's (one [H/8, 2I]
+    qweight per expert, as int4.fuse concatenates), so qweight int32 [E, H/8, 2I], zeros uint8 [E, G_H, 2I],
+    scales [E, G_H, 2I]; down: qweight [E, I/8, H], zeros [E, G_I, H], scales [E, G_I, H]. With act-order
+    (a g_idx that permutes rows in any expert) the rows are sorted by group per expert and projection at load, and
+    gate_up_perm int32 [E, 2, H] (gate's, then up's: nothing promises they share one) and down_perm [E, I] say
+    where each sorted row came from; None when every expert keeps the input order. Non-persistent buffers, as
+    Int4Linear's: installed filled at load, outside the state dict, moved by module.to(device).
+
+    It stands in for transformers' experts module as fp8.FP8Experts does: forward (the block's own forward: long
+    prefills) dequantizes each routed expert before its matmuls; moe_rowwise takes `dense`. No MoE kernel reads
+    4-bit experts yet (moe_check skips the Triton and grouped paths for them)."""
+
+    def __init__(self, act_fn, group_sizes: tuple[int, int], gate_up: tuple, down: tuple,
+                 gate_up_perm: torch.Tensor | None = None, down_perm: torch.Tensor | None = None):
+        super().__init__()
+        n_experts, _, two_i = gate_up[0].shape
+        self.num_experts, self.hidden_dim, self.intermediate_dim = n_experts, down[0].shape[-1], two_i // 2
+        self.act_fn = act_fn
+        self.group_sizes = group_sizes  # (gate / up's over H, down's over I)
+        for proj, (qweight, zeros, scales), perm in (("gate_up", gate_up, gate_up_perm), ("down", down, down_perm)):
+            self.register_buffer(proj + "_qweight", qweight, persistent=False)
+            self.register_buffer(proj + "_zeros", zeros, persistent=False)
+            self.register_buffer(proj + "_scales", scales, persistent=False)
+            self.register_buffer(proj + "_perm", perm, persistent=False)
+        self.kernel = None  # dequantize_experts where choose() gave it (CUDA, 16-bit)
+
+    @classmethod
+    def stack(cls, act_fn, gates: list, ups: list, downs: list) -> "Int4Experts":
+        """From each expert's Packed gate, up and down (read_packed's), in expert order."""
+        def perms(*projs):
+            if all(p.perm is None for ps in projs for p in ps):
+                return None
+            rows = lambda p: p.perm if p.perm is not None else torch.arange(p.k, device=p.qweight.device)
+            return torch.stack([torch.stack([rows(p) for p in ps]) for ps in zip(*projs)]).to(torch.int32)
+
+        def parts(*projs):
+            return tuple(torch.stack([torch.cat([getattr(p, attr) for p in ps], 1) for ps in zip(*projs)])
+                         for attr in ("qweight", "zeros", "scales"))
+
+        gate_up_perm = perms(gates, ups)
+        down_perm = perms(downs)
+        return cls(act_fn, (gates[0].group_size, downs[0].group_size), parts(gates, ups), parts(downs),
+                   gate_up_perm, down_perm[:, 0] if down_perm is not None else None)
+
+    def _dense(self, proj: str, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Experts ids' weights [P, N, K] of `proj`, rows in the input's order, in dtype (computed in float32, or by
+        the dequantizing kernel, which rounds the same float32 products once)."""
+        qweight, zeros, scales = (getattr(self, f"{proj}_{part}")[ids] for part in ("qweight", "zeros", "scales"))
+        group = self.group_sizes[proj == "down"]
+        perm = getattr(self, proj + "_perm")
+        if self.kernel is not None and dtype in (torch.float16, torch.bfloat16):
+            w = self.kernel(qweight, zeros, scales, group, dtype)
+        else:
+            w = dequantize_sorted(qweight, zeros, scales, group).to(dtype).transpose(-1, -2).contiguous()  # [P, N, K]
+        if perm is None:
+            return w
+        perm = perm[ids].long()  # sorted row i of an expert is its input row perm[i]
+        if proj == "gate_up":  # the gate's columns and the up's each have their own order
+            inter = self.intermediate_dim
+            halves = w.unflatten(-2, (2, inter))  # [P, 2, I, H]
+            index = perm[:, :, None, :].expand_as(halves)
+            return torch.empty_like(halves).scatter_(-1, index, halves).flatten(-3, -2)
+        return torch.empty_like(w).scatter_(-1, perm[:, None, :].expand_as(w), w)
+
+    def dense(self, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [P, 2I, H], down [P, H, I]) of experts `ids` [P], dequantized exactly (in float32) to dtype."""
+        return self._dense("gate_up", ids, dtype), self._dense("down", ids, dtype)
+
+    def weights(self) -> int:
+        """How many weights the packed tensors stand for (gate, up and down of every expert)."""
+        return self.num_experts * 3 * self.hidden_dim * self.intermediate_dim
+
+    def packed_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for proj in ("gate_up", "down")
+                   for t in (getattr(self, f"{proj}_{part}") for part in ("qweight", "zeros", "scales")))
+
+    def extra_repr(self) -> str:
+        act = ", act-order" if self.gate_up_perm is not None or self.down_perm is not None else ""
+        return f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, " \
+               f"int4 groups {self.group_sizes}{act}"
+
+
+@torch.library.custom_op("mtpchat::int4_dequantize_experts", mutates_args=())
+def dequantize_experts(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Gathered experts' packed tensors [P, K/8, N], [P, G, N], [P, G, N] -> their 16-bit weights [P, N, K], rows in
+    the sorted order: int4_triton's dequantizing kernel once per expert, behind one custom op (opaque to
+    torch.compile, replayable in CUDA graphs: the loop runs over the static P, no host sync)."""
+    from .int4_triton import dequantize
+
+    return torch.stack([dequantize(qweight[p], zeros[p], scales[p], group, dtype) for p in range(qweight.shape[0])])
+
+
+@dequantize_experts.register_fake
+def _(qweight, zeros, scales, group, dtype):
+    return qweight.new_empty(qweight.shape[0], qweight.shape[2], qweight.shape[1] * PACK, dtype=dtype)
+
+
 def choose(backends, modules, device, dtype) -> None:
     """Int4Linear's forward: the Triton W4A16 kernels where they run and pass their self-check (int4_triton.py),
     else dequantize-then-matmul; recorded in backends.choice (None: the MTP head's, which follows the trunk's).
     Nothing is recorded for a model without 4-bit weights."""
     from .int4_triton import install
 
+    modules = list(modules)
     why = install(modules, device, dtype)
     if why is not None and backends is not None:
         backends.choice["int4_linear"] = ("triton" if why.startswith("Triton") else "dequantize", why)
+    experts = [m for m in modules if isinstance(m, Int4Experts)]
+    if experts:
+        why = _choose_experts(experts, device, dtype)
+        if backends is not None:
+            backends.choice["int4_experts"] = ("triton" if why.startswith("Triton") else "dequantize", why)
+
+
+def _choose_experts(experts: list, device, dtype) -> str:
+    """Int4Experts.dense: int4_triton's dequantizing kernel per routed expert where it runs and matches the
+    float32 dequantization on expert 0 of each shape, else the float32 dequantization (the CPU's exact path)."""
+    from .int4_triton import block_k, usable
+    from .kernels import relative_error
+
+    why = usable(torch.device(device), dtype)
+    if why is None and any(block_k(g, k) is None for m in experts
+                           for g, k in zip(m.group_sizes, (m.hidden_dim, m.intermediate_dim))):
+        why = "a group size without a 16..128 power-of-two K-block"
+    worst, checked = 0.0, set()
+    if why is None:
+        try:
+            for m in experts:
+                key = (m.hidden_dim, m.intermediate_dim, m.group_sizes)
+                if key in checked:
+                    continue
+                checked.add(key)
+                ids = torch.zeros(1, dtype=torch.long, device=m.gate_up_qweight.device)
+                ref = m.dense(ids, torch.float32)
+                m.kernel = dequantize_experts
+                got = m.dense(ids, dtype)
+                m.kernel = None
+                worst = max(worst, *(relative_error(g, r) for g, r in zip(got, ref)))
+        except Exception as e:  # an architecture or Triton version the kernel does not compile for
+            why = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        if why is None and not worst <= 2e-2:  # NaN too
+            why = f"self-check mismatch {worst:.2g}"
+    for m in experts:
+        m.kernel = None if why else dequantize_experts
+    if why:
+        return f"dequantize each routed expert in float32, then matmul ({why})"
+    return f"Triton dequantizing kernel per routed expert, then matmul (self-check {worst:.1e})"
 
 
 @torch.no_grad()
@@ -304,16 +451,18 @@ def quantize_linears(model: nn.Module, group_size: int = 128) -> int:
 
 
 def param_count(model: nn.Module) -> int:
-    """The weights the Int4Linear modules stand for (model.parameters() does not see their buffers); a fused
-    projection's (fuse) are its parts'."""
+    """The weights the Int4Linear and Int4Experts modules stand for (model.parameters() does not see their
+    buffers); a fused projection's (fuse) are its parts'."""
     return sum(m.in_features * m.out_features for m in model.modules()
-               if isinstance(m, Int4Linear) and not getattr(m, "is_fusion", False))
+               if isinstance(m, Int4Linear) and not getattr(m, "is_fusion", False)) \
+        + sum(m.weights() for m in model.modules() if isinstance(m, Int4Experts))
 
 
 def packed_bytes(model: nn.Module) -> int:
-    """Bytes of the Int4Linear modules' packed tensors (qweight, zeros, scales), a fused projection's once."""
+    """Bytes of the Int4Linear and Int4Experts modules' packed tensors (qweight, zeros, scales), a fused
+    projection's once."""
     return sum(m.packed_bytes() for m in model.modules()
-               if isinstance(m, Int4Linear) and not getattr(m, "is_fusion", False))
+               if isinstance(m, Int4Experts) or (isinstance(m, Int4Linear) and not getattr(m, "is_fusion", False)))
 
 
 @torch.no_grad()
@@ -427,12 +576,15 @@ def adopt(model: nn.Module, sd: dict[str, torch.Tensor], sch: Scheme, dtype: tor
           named=None) -> dict[str, torch.Tensor]:
     """Prepare state dict `sd` (the model's key names) for `model`, built on the meta device, as fp8.adopt does:
     each module with packed tensors that is a bias-free nn.Linear of their shape becomes an Int4Linear holding
-    them (and its keys leave the state dict); any other packed module's weight is dequantized here into
-    `<module>.weight` in `dtype`. where(key): the file that holds tensor `key`; named(key): the checkpoint's name
-    of a key, for messages and the config's per-module settings (default: the key itself)."""
+    them (and its keys leave the state dict); per-expert ones (experts.J.{gate,up,down}_proj) turn their fused
+    experts module into an Int4Experts holding them stacked (_install_experts says when); any other packed
+    module's weight is dequantized here into `<module>.weight` in `dtype`. where(key): the file that holds tensor
+    `key`; named(key): the checkpoint's name of a key, for messages and the config's per-module settings (default:
+    the key itself)."""
     named = named or (lambda k: k)
     modules: dict[str, dict[str, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, Packed]]] = {}  # experts module -> expert -> projection
     for key, t in sd.items():
         hit = part_of(key)
         if hit:
@@ -450,9 +602,53 @@ def adopt(model: nn.Module, sd: dict[str, torch.Tensor], sch: Scheme, dtype: tor
                               f"plain weight and 4-bit tensors")
         packed = read_packed(sch, named(module + ".qweight").removesuffix(".qweight"), parts,
                              lambda part: where(module + "." + part))
-        if not _install(model, module, packed):
+        expert = _PER_EXPERT.match(module)
+        if expert:  # gathered per experts module, stacked below
+            experts.setdefault(expert.group(1), {}).setdefault(int(expert.group(2)), {})[expert.group(3)] = packed
+        elif not _install(model, module, packed):
             out[module + ".weight"] = packed.dequantized(dtype)
+    for prefix, by_id in experts.items():
+        if _install_experts(model, prefix, by_id, out):
+            continue
+        for i, projs in by_id.items():  # per-expert Linears, or dequantized for fuse_experts to stack and judge
+            for proj, packed in projs.items():
+                if not _install(model, f"{prefix}.{i}.{proj}", packed):
+                    out[f"{prefix}.{i}.{proj}.weight"] = packed.dequantized(dtype)
     return out
+
+
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _install_experts(model: nn.Module, prefix: str, by_id: dict[int, dict[str, Packed]], out: dict) -> bool:
+    """Replace transformers' fused experts module at `prefix` (on the meta device) by an Int4Experts holding
+    by_id's packed tensors (expert -> projection -> Packed); False, leaving the caller to dequantize, unless every
+    expert has all three 4-bit projections of the module's shapes with one group size per projection kind and
+    one scale dtype (what one stacked tensor can hold), and none of its experts has a plain weight."""
+    from .fp8 import stacked_experts
+
+    owner, name, fused = child(model, prefix)
+    if fused is None or not stacked_experts(fused):
+        return False
+    n_experts, two_i, hidden = fused.gate_up_proj.shape
+    shapes = {"gate_proj": (two_i // 2, hidden), "up_proj": (two_i // 2, hidden), "down_proj": (hidden, two_i // 2)}
+    if set(by_id) != set(range(n_experts)) or any(set(projs) != set(_PROJS) for projs in by_id.values()):
+        return False
+    if any(k.startswith(prefix + ".") for k in out):  # plain per-expert weights beside the 4-bit ones
+        return False
+    ps = [by_id[i][proj] for i in range(n_experts) for proj in _PROJS]
+    if any((p.n, p.k) != shapes[proj] for p, proj in zip(ps, _PROJS * n_experts)):
+        return False
+    kinds = {(proj == "down_proj", p.group_size) for p, proj in zip(ps, _PROJS * n_experts)}
+    if len(kinds) != 2 or len({p.scales.dtype for p in ps}) != 1:
+        return False
+    gates, ups, downs = ([by_id[i][proj] for i in range(n_experts)] for proj in _PROJS)
+    # Held on the CPU until the model moves to its device: the checkpoint's per-expert tensors (read straight onto
+    # the device) are freed only after the state dict loads, so stacks built there would hold every expert twice
+    # at the load's peak (2 x 18 GB for Qwen3.5-35B-A3B's experts); this way one layer's stack at most.
+    setattr(owner, name, Int4Experts.stack(fused.act_fn, gates, ups, downs).to("cpu"))
+    return True
 
 
 def _install(model: nn.Module, base: str, p: Packed) -> bool:

@@ -19,6 +19,7 @@ from .events import Fallback
 from .fusion import dense_mlp, fuse_all, linears
 from .families import (LAYER_KINDS, Family, convert_gdn_layout, family_for, fuse_experts, mtp_layers_declared,
                        sliding_window)
+from .modules import DequantizingExperts
 from .rotating_cache import RotatingKV
 from .kernels import Backends, relative_error, select_backends
 
@@ -184,9 +185,10 @@ def moe_rowwise(block, x: torch.Tensor) -> torch.Tensor:
 
 
 def expert_weights(experts, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up [P, 2I, H], down [P, H, I]) of experts `ids` [P], gathered; FP8 experts dequantize only these,
-    exactly in float32 (fp8.FP8Experts.dense), so the CPU's float32 path stays the exact reference."""
-    if isinstance(experts, fp8.FP8Experts):
+    """(gate_up [P, 2I, H], down [P, H, I]) of experts `ids` [P], gathered; FP8 and 4-bit experts dequantize only
+    these, exactly in float32 (fp8.FP8Experts.dense, int4.Int4Experts.dense), so the CPU's float32 path stays the
+    exact reference."""
+    if isinstance(experts, DequantizingExperts):
         return experts.dense(ids, dtype)
     return experts.gate_up_proj[ids], experts.down_proj[ids]
 
@@ -195,10 +197,12 @@ def moe_grouped(block, x: torch.Tensor) -> torch.Tensor:
     """The same computation as moe_rowwise with the (token, expert) pairs sorted by expert and one grouped GEMM
     per projection (torch._grouped_mm): each routed expert's weights are read in place, once, and experts
     nobody routed to are not read at all. Group boundaries are computed on the device (no host sync: graph-safe).
-    Not for FP8 experts: no grouped GEMM here reads FP8 (dequantizing every expert per call would cost more than
-    the row-wise path's gather), so moe_check skips it."""
+    Not for FP8 or 4-bit experts: no grouped GEMM here reads them (dequantizing every expert per call would cost
+    more than the row-wise path's gather), so moe_check skips it."""
     if isinstance(block.experts, fp8.FP8Experts):
         raise ValueError("grouped_mm does not read FP8 experts")
+    if isinstance(block.experts, int4.Int4Experts):
+        raise ValueError("grouped_mm does not read 4-bit experts")
     h = x.reshape(-1, x.shape[-1])
     weights, idx = route(block, h)
     experts, flat = block.experts, idx.reshape(-1)
@@ -281,7 +285,8 @@ def moe_check(trunk) -> tuple[str, str]:
     """The fastest MoE path whose output matches moe_rowwise's on the first MoE layer: Triton kernels, then
     grouped GEMMs. CUDA only (on the CPU the row-wise form is the exact reference the tests hold). FP8 experts
     (fp8.FP8Experts) are checked the same way, through the kernels' FP8 variant, against moe_rowwise's exact
-    dequantization; grouped GEMMs do not serve them."""
+    dequantization; grouped GEMMs do not serve them. 4-bit experts (int4.Int4Experts) have no kernel in either:
+    row-wise, with the reason."""
     layer = next((l for l in trunk.layers if hasattr(l.mlp, "experts")), None)
     if layer is None:
         return "rowwise", "no MoE layers"
@@ -289,12 +294,16 @@ def moe_check(trunk) -> tuple[str, str]:
         return "rowwise", "row-wise batched matmuls over gathered expert weights (the others: CUDA only)"
     if trunk.dtype == torch.float32:  # float32 is the exactness reference: verify and decode must round alike
         return "rowwise", "row-wise batched matmuls (float32: the exact reference path; the others in 16-bit only)"
-    from .moe_triton import available
+    from .moe_triton import available, unreadable
 
     missing = {"triton": None if available() else "triton: not installed",
                "grouped_mm": None if hasattr(torch, "_grouped_mm") else "grouped_mm: not in this torch"}
+    if not missing["triton"]:
+        missing["triton"] = unreadable(layer.mlp.experts)
     if isinstance(layer.mlp.experts, fp8.FP8Experts) and not missing["grouped_mm"]:
         missing["grouped_mm"] = "grouped_mm: FP8 experts"
+    if isinstance(layer.mlp.experts, int4.Int4Experts) and not missing["grouped_mm"]:
+        missing["grouped_mm"] = "grouped_mm: 4-bit experts"
     gen = torch.Generator(device=trunk.device).manual_seed(0)
     x = torch.randn(1, 4, trunk.config.hidden_size, generator=gen, device=trunk.device, dtype=trunk.dtype)
     failures = []

@@ -1,9 +1,32 @@
 """Replacing a submodule by its dotted path (the quantized loaders turn meta nn.Linear / experts modules into
-their quantized forms before the state dict is loaded)."""
+their quantized forms before the state dict is loaded), and what the quantized experts modules share."""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+class DequantizingExperts(nn.Module):
+    """MoE experts held quantized (fp8.FP8Experts, int4.Int4Experts) standing in for transformers' fused experts
+    module: subclasses give `act_fn` and dense(ids, dtype) -> (gate_up [P, 2I, H], down [P, H, I]), the routed
+    experts' weights dequantized exactly (in float32) to dtype; moe_rowwise gathers through dense."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """transformers' experts loop (experts in ascending order, each one's (slot, token) pairs slot-major), each
+        routed expert dequantized first (the block's own forward: long prefills): on the CPU in float32 it
+        computes what transformers computes on the dequantized twin."""
+        out = torch.zeros_like(hidden_states)
+        by_slot = top_k_index.t()
+        for e in top_k_index.unique().tolist():
+            slot, token = torch.where(by_slot == e)
+            gate_up, down = self.dense(torch.tensor([e], device=top_k_index.device), hidden_states.dtype)
+            gate, up = F.linear(hidden_states[token], gate_up[0]).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, down[0]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
 
 
 def child(model: nn.Module, path: str) -> tuple[nn.Module | None, str, nn.Module | None]:

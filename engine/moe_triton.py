@@ -278,10 +278,24 @@ def inline_shared(block) -> bool:
             and ds.stride() == experts.down_proj_scale_inv.stride()[1:])
 
 
+def unreadable(experts) -> str | None:
+    """Why the kernels cannot read these experts (moe_check's reason to skip them), or None: they read transformers'
+    stacked 16-bit / float32 tensors and FP8Experts; any other form (int4.Int4Experts: no 4-bit expert kernels
+    yet) takes moe_rowwise."""
+    if isinstance(experts, FP8Experts):
+        return None
+    if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and experts.gate_up_proj.is_floating_point():
+        return None
+    return f"triton: no kernels for {type(experts).__name__} experts"
+
+
 def moe_triton(block, x: torch.Tensor) -> torch.Tensor:
     """What moe_rowwise(block, x) computes, x [1, N, H], through the kernels above plus the router's matmul (and
     the shared expert's, when it cannot run inside them)."""
     experts, router = block.experts, block.gate
+    why = unreadable(experts)
+    if why:
+        raise ValueError(why)
     if type(experts.act_fn).__name__ not in SILU:  # the kernel's activation is SiLU (Qwen3-Next / 3.5)
         raise ValueError(f"moe_triton supports SiLU experts only, not {type(experts.act_fn).__name__}")
     h = x.reshape(-1, x.shape[-1])

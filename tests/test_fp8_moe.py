@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import fp8, load_engine
+from engine import fp8, int4, load_engine
 from engine.discovery import SAFETENSORS_DTYPES, _numel, estimate_memory, inspect_model
 from engine.environment import DeviceInfo
 from engine.model import MOE_ROWWISE_MAX_TOKENS, load, moe_grouped, moe_rowwise
@@ -60,9 +60,14 @@ def test_a_long_prefill_through_the_fp8_experts_equals_the_twin(name, fp8_ckpt, 
     """Chunks wider than MOE_ROWWISE_MAX_TOKENS run the block's own forward, so FP8Experts.forward: it computes
     what transformers' experts loop computes on the dequantized weights, bit for bit, and the engine decodes
     what it decodes from the twin."""
-    engine, twin = fp8_engine(name), load_engine(str(fp8_ckpt(name)[1]))
+    assert_experts_forward_equals_the_twin(fp8_engine(name), load_engine(str(fp8_ckpt(name)[1])), fp8.FP8Experts)
+
+
+def assert_experts_forward_equals_the_twin(engine, twin, kind) -> None:
+    """The first MoE block's quantized experts (kind) against the twin's dequantized ones, bit for bit, on 40 rows
+    routed to 2 experts each; then a prompt longer than the row-wise path's widest decodes as the twin's."""
     ours, plain = moe_blocks(engine)[0].experts, moe_blocks(twin)[0].experts
-    assert type(plain) is not fp8.FP8Experts and plain.gate_up_proj.dtype == torch.float32
+    assert isinstance(ours, kind) and type(plain) is not kind and plain.gate_up_proj.dtype == torch.float32
     g = torch.Generator().manual_seed(0)
     h = torch.randn(40, ours.hidden_dim, generator=g)
     idx = torch.stack([torch.randperm(ours.num_experts, generator=g)[:2] for _ in range(40)])
@@ -259,7 +264,7 @@ def loaded_bytes(loaded) -> int:
 @pytest.fixture(scope="module")
 def int4_moe(tmp_path_factory):
     """A GPTQ checkpoint of the Qwen3.5 MoE fixture, its experts quantized one by one (as Qwen3.5's MoE GPTQ
-    releases): int4.py dequantizes them at load."""
+    releases): int4.py keeps them 4-bit (int4.Int4Experts)."""
     from int4_fixtures import gptq_config, write_int4_checkpoint
 
     root = tmp_path_factory.mktemp("int4_moe")
@@ -281,10 +286,10 @@ def not_loaded_bytes(path) -> int:
     return total
 
 
-def test_discovery_counts_experts_dequantized_at_load_at_the_run_dtype(int4_moe, fp8_ckpt, fp8_engine):
+def test_discovery_sizes_quantized_experts_as_they_load(int4_moe, fp8_ckpt, fp8_engine):
     """The estimate's weights (mem_bytes without the margin) are the loaded model's bytes plus what load leaves
-    on disk (the vision tower, headers): for a 4-bit MoE (experts dequantized at load, to float32 here) and an
-    FP8 one (experts FP8: as on disk)."""
+    on disk (the vision tower, headers): for a 4-bit MoE (experts kept 4-bit: as on disk) and an FP8 one (experts
+    FP8: as on disk)."""
     def weights(cand):
         _, mem = estimate_memory(cand, BIG_CPU)
         return (mem - 256 * 2 ** 20) / 1.10  # discovery's CPU margin taken off
@@ -293,12 +298,10 @@ def test_discovery_counts_experts_dequantized_at_load_at_the_run_dtype(int4_moe,
     assert q.supported and q.quantization == "gptq", q.reason
     loaded = load(str(int4_moe))
     blocks = [l.mlp for layers in (loaded.trunk.layers, loaded.mtp.layers) for l in layers if hasattr(l.mlp, "experts")]
-    assert all(b.experts.gate_up_proj.dtype == torch.float32 for b in blocks)  # (int4.py: dequantized at load)
-    experts = sum(b.experts.gate_up_proj.numel() + b.experts.down_proj.numel() for b in blocks)
-    assert q.dequantized_params == experts
+    assert all(isinstance(b.experts, int4.Int4Experts) for b in blocks)  # (int4.py: kept 4-bit)
+    assert q.dequantized_params == 0
     truth = loaded_bytes(loaded) + not_loaded_bytes(int4_moe)
     assert abs(weights(q) - truth) < 0.01 * truth
-    assert q.disk_bytes < truth - 0.75 * 4 * experts  # the disk size alone misses the experts' expansion
 
     path = fp8_ckpt("q35_moe")[0]
     f = inspect_model(path)

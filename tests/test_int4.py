@@ -14,10 +14,11 @@ import torch
 from engine import int4, load_engine
 from engine.errors import EngineError
 from engine.model import load
-from fixtures import damaged_copy, memo, write_checkpoint, write_fp8_checkpoint
+from fixtures import _split_experts, damaged_copy, memo, write_checkpoint, write_fp8_checkpoint
 from int4_fixtures import (awq_config, dequantize, gptq_config, pack_along_k, pack_along_n, quantize,
                            write_int4_checkpoint)
 from test_exactness import PROMPTS, assert_greedy_equals_transformers, assert_speculation_equals_plain, decode
+from test_fp8_moe import assert_experts_forward_equals_the_twin, moe_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"q35": ("qwen3_5", {}), "next": ("qwen3_next", {}),
@@ -32,10 +33,15 @@ INT4_FIXTURES = {
     "next": ("next", gptq_config(-1, desc_act=True), (), "int4"),
     # AutoAWQ (GEMM), the head in modules_to_not_convert
     "next_awq": ("next", awq_config(32, not_converted=["visual", "mtp"]), (), "bf16"),
-    # MoE as Qwen3.5's MoE GPTQ releases: attention and the shared expert bf16, experts quantized one by one
+    # MoE as Qwen3.5's MoE GPTQ releases: attention and the shared expert bf16, experts quantized one by one (the
+    # MTP head's too); they stay 4-bit (int4.Int4Experts)
     "q35_moe": ("q35_moe", gptq_config(32, fmt="gptq_v2", dynamic={"-:.*attn.*": {}, "-:.*shared_expert.*": {},
                                                                    "-:.*visual.*": {}}),
                 ("attn", "shared_expert"), "int4"),
+    # the same with act-order: every expert's gate, up and down has its own row order
+    "q35_moe_act": ("q35_moe", gptq_config(32, sym=False, desc_act=True, fmt="gptq_v2",
+                                           dynamic={"-:.*attn.*": {}, "-:.*shared_expert.*": {}, "-:.*visual.*": {}}),
+                    ("attn", "shared_expert"), "int4"),
     # a community AWQ release with the MTP head stripped
     "q35_awq_nomtp": ("q35", awq_config(64, not_converted=["visual"]), (), "none"),
 }
@@ -49,6 +55,8 @@ def sources(tmp_path_factory):
         if name not in made:
             family, opts = SOURCES[name]
             made[name] = write_checkpoint(tmp_path_factory.mktemp(f"src_{name}") / "src", family, **opts)
+            if opts.get("per_expert"):
+                _split_experts(made[name])  # the MTP head's experts too, one by one, as in Qwen's releases
         return made[name]
 
     return get
@@ -115,7 +123,8 @@ def test_int4_greedy_equals_transformers_on_the_dequantized_twin(name, int4_ckpt
 
 
 @pytest.mark.parametrize("name, depth", [("q35_act", 1), ("q35_act", 2), ("q35_act", 3), ("q35_moe", 1),
-                                         ("q35_moe", 3), ("q35", 2), ("next", 2), ("next_awq", 3)])
+                                         ("q35_moe", 2), ("q35_moe", 3), ("q35_moe", 4), ("q35_moe_act", 2),
+                                         ("q35", 2), ("next", 2), ("next_awq", 3)])
 def test_int4_mtp_speculation_equals_plain(name, depth, int4_engine):
     assert_speculation_equals_plain(int4_engine(name), depth)
 
@@ -137,10 +146,111 @@ def test_packed_weights_stay_4_bit_where_the_checkpoint_has_them(int4_engine):
     assert isinstance(q35.mtp_drafter.head.fc, int4.Int4Linear)  # the head quantized like the trunk
     assert type(act.mtp_drafter.head.fc) is torch.nn.Linear  # the head excluded: bf16 as stored
     block = next(l.mlp for l in moe.trunk.layers if hasattr(l.mlp, "experts"))
-    assert block.experts.gate_up_proj.dtype == torch.float32  # per-expert 4-bit experts dequantized at load
     assert type(block.shared_expert.gate_proj) is torch.nn.Linear
     # parameters count the 4-bit weights too: the same count as the dequantized model's
     assert q35.loaded.params == load(str(q35.loaded.path).replace("/q", "/twin")).params
+
+
+@pytest.mark.parametrize("name", ["q35_moe", "q35_moe_act"])
+def test_4_bit_experts_stay_4_bit_in_memory(name, int4_ckpt, int4_engine):
+    engine, twin = int4_engine(name), load(str(int4_ckpt(name)[1]))
+    blocks = moe_blocks(engine)
+    assert len(blocks) > 1  # the trunk's and the MTP head's
+    for block in blocks:
+        ex = block.experts
+        assert isinstance(ex, int4.Int4Experts)
+        E, I, H = ex.num_experts, ex.intermediate_dim, ex.hidden_dim
+        assert (E, I, H) == (4, 32, 64) and ex.group_sizes == (32, 32)
+        assert ex.gate_up_qweight.dtype == ex.down_qweight.dtype == torch.int32
+        assert ex.gate_up_zeros.dtype == ex.down_zeros.dtype == torch.uint8
+        assert ex.gate_up_qweight.shape == (E, H // 8, 2 * I) and ex.down_qweight.shape == (E, I // 8, H)
+        assert ex.gate_up_scales.shape == (E, H // 32, 2 * I) and ex.down_scales.shape == (E, I // 32, H)
+        assert ex.gate_up_scales.dtype == torch.float16
+        # half a byte a weight, plus a zero (1 byte) and a float16 scale per group of 32 and column
+        assert ex.packed_bytes() == 3 * E * I * H // 2 + (1 + 2) * E * (H // 32 * 2 * I + I // 32 * H)
+        assert ex.packed_bytes() == sum(t.nbytes for n, t in ex.named_buffers() if not n.endswith("perm"))
+        assert (ex.gate_up_perm is not None) == name.endswith("_act")
+        assert ex.down_perm is None  # K = I = 32, one group: any act-order sorts back to the input order
+        assert not any(True for _ in ex.parameters())  # no dequantized copy
+    # parameters count the 4-bit experts' weights too: the same count as the dequantized model's
+    assert engine.loaded.params == twin.params
+    # what dequantize-at-load held instead (float32 here): 8 bytes a weight against ~0.75
+    plain = sum(b.experts.gate_up_proj.nbytes + b.experts.down_proj.nbytes for layers in (twin.trunk.layers,
+                twin.mtp.layers) for b in (l.mlp for l in layers) if hasattr(b, "experts"))
+    packed = sum(b.experts.packed_bytes() for b in blocks)
+    assert int4.packed_bytes(engine.trunk.lm) + int4.packed_bytes(engine.mtp_drafter.head) >= packed
+    assert packed < plain / 5
+
+
+def _random_experts(E=3, I=32, H=48, gs=16):
+    """An Int4Experts of random act-order experts (expert 1 in the input order) and each one's Packed."""
+    g = torch.Generator().manual_seed(1)
+    sch = int4.scheme(gptq_config(gs, sym=False, desc_act=True, fmt="gptq_v2"))
+    packed = {}
+    for e in range(E):
+        for proj, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            perm = torch.randperm(k, generator=g) if e != 1 else None  # expert 1 keeps the input order
+            q, zeros, scales, g_idx = quantize(torch.randn(n, k, generator=g), gs, False, perm)
+            parts = {"qweight": pack_along_k(q), "qzeros": pack_along_n(zeros), "scales": scales, "g_idx": g_idx}
+            packed[e, proj] = int4.read_packed(sch, "x", parts, lambda part: "f")
+            assert torch.equal(packed[e, proj].dequantized(torch.float32), dequantize(q, zeros, scales, g_idx))
+    ex = int4.Int4Experts.stack(torch.nn.SiLU(), *([packed[e, p] for e in range(E)]
+                                                   for p in ("gate_proj", "up_proj", "down_proj")))
+    return ex, packed
+
+
+def test_int4_experts_dense_equals_each_experts_dequantized_weight():
+    """dense() gives each expert's gate / up / down exactly as read_packed's Packed.dequantized gives them, with
+    act-order rows restored per expert and projection (gate and up in different orders)."""
+    E, I, H = 3, 32, 48  # gate / up: 3 groups of 16 over H; down: 2 over I
+    ex, packed = _random_experts(E, I, H, 16)
+    assert ex.gate_up_perm.shape == (E, 2, H) and ex.down_perm.shape == (E, I)
+    ids = torch.tensor([2, 0, 1, 2])
+    gate_up, down = ex.dense(ids, torch.float32)
+    assert gate_up.shape == (4, 2 * I, H) and down.shape == (4, H, I)
+    for row, e in enumerate(ids.tolist()):
+        want = torch.cat([packed[e, "gate_proj"].dequantized(torch.float32),
+                          packed[e, "up_proj"].dequantized(torch.float32)])
+        assert torch.equal(gate_up[row], want)
+        assert torch.equal(down[row], packed[e, "down_proj"].dequantized(torch.float32))
+    half = ex.dense(ids, torch.bfloat16)
+    assert half[0].dtype == torch.bfloat16 and torch.equal(half[0], gate_up.to(torch.bfloat16))
+
+
+def test_the_experts_dequantizing_kernel_equals_the_float32_path(triton_device):
+    """On CUDA in 16-bit, dense() runs int4_triton's dequantizing kernel per routed expert (after choose()'s
+    self-check): the same float32 products rounded once, so the same 16-bit weights as the CPU's path."""
+    dev = triton_device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    ex, _ = _random_experts(4, 64, 128, 32)
+    ids = torch.tensor([3, 1, 1, 0])
+    want = ex.dense(ids, torch.float32)
+    ex.to(dev)
+    why = int4._choose_experts([ex], dev, dtype)
+    assert why.startswith("Triton") and ex.kernel is not None, why
+    got = ex.dense(ids.to(dev), dtype)
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and torch.equal(g.cpu(), w.to(dtype))
+
+
+def test_a_long_prefill_through_the_4_bit_experts_equals_the_twin(int4_ckpt, int4_engine):
+    """Chunks wider than MOE_ROWWISE_MAX_TOKENS run the block's own forward, so Int4Experts.forward: what
+    transformers' experts loop computes on the dequantized weights, bit for bit."""
+    assert_experts_forward_equals_the_twin(int4_engine("q35_moe_act"), load_engine(str(int4_ckpt("q35_moe_act")[1])),
+                                           int4.Int4Experts)
+
+
+def test_4_bit_experts_take_the_row_wise_path_with_the_reason(int4_engine):
+    from engine.model import moe_grouped
+    from engine.moe_triton import unreadable
+
+    engine = int4_engine("q35_moe")
+    block = moe_blocks(engine)[0]
+    assert unreadable(block.experts) == "triton: no kernels for Int4Experts experts"
+    with pytest.raises(ValueError, match="grouped_mm does not read 4-bit experts"):
+        moe_grouped(block, torch.randn(1, 2, 64))
+    assert engine.trunk.backends.moe == "rowwise"
+    assert engine.trunk.backends.choice["int4_experts"][0] == "dequantize"  # (the CPU: no kernel)
 
 
 def test_discovery_reports_the_packed_size(int4_ckpt):
@@ -152,6 +262,32 @@ def test_discovery_reports_the_packed_size(int4_ckpt):
     assert q.dtype == "float32"  # the float tensors' dtype, not the int32 packing's
     assert q.params == plain.params  # a qweight element holds 8 weights; zeros / scales / g_idx are not weights
     assert q.disk_bytes < 0.75 * plain.disk_bytes  # the embeddings / lm_head stay float32 at these tiny dims
+
+
+def test_discovery_sizes_4_bit_experts_as_packed(int4_ckpt):
+    """The estimate's weights (mem_bytes without the margin) are the loaded model's bytes plus what load leaves on
+    disk (the vision tower, headers): the experts stay 4-bit, so nothing is sized at the run dtype."""
+    from engine.discovery import estimate_memory, inspect_model
+    from test_fp8_moe import BIG_CPU, loaded_bytes, not_loaded_bytes
+
+    path, twin = int4_ckpt("q35_moe")
+    q = inspect_model(path)
+    assert q.supported and q.quantization == "gptq", q.reason
+    assert q.dequantized_params == 0 and q.dequantized_disk_bytes == 0
+    # only an experts module mixing plain and 4-bit experts still loads dequantized (int4._install_experts)
+    from engine.discovery import dequantized_at_load
+
+    mixed = {"m.mlp.experts.0.gate_proj.qweight": ("I32", (8, 32)),
+             "m.mlp.experts.0.gate_proj.scales": ("F16", (2, 32)),
+             "m.mlp.experts.1.gate_proj.weight": ("F32", (32, 64)),  # (module m mixes; n is all 4-bit)
+             "n.mlp.experts.0.up_proj.qweight": ("I32", (8, 32))}
+    assert dequantized_at_load(mixed) == (8 * 32 * 4 + 2 * 32 * 2, 8 * 32 * 8)
+    assert q.params == inspect_model(twin).params
+    loaded = load(str(path))
+    truth = loaded_bytes(loaded) + not_loaded_bytes(path)
+    _, mem = estimate_memory(q, BIG_CPU)
+    weights = (mem - 256 * 2 ** 20) / 1.10  # discovery's CPU margin taken off
+    assert abs(weights - truth) < 0.01 * truth
 
 
 # --- a missing MTP head ------------------------------------------------------------------------------------------
@@ -217,6 +353,7 @@ def _damaged(int4_ckpt, tmp_path, name="q35", edit_tensors=None, edit_config=Non
 
 Q = "model.language_model.layers.1.self_attn.q_proj"  # q35: K 64, N 128 (query and gate), one group
 DOWN = "model.language_model.layers.0.mlp.down_proj"  # q35_act: K 96 in groups of 32
+EXPERT = "model.language_model.layers.0.mlp.experts.1.gate_proj"  # q35_moe: K 64 in groups of 32, N 32
 
 
 def _refusal(path) -> str:
@@ -244,6 +381,12 @@ def _set(key, value):
      f"tensor '{DOWN}.g_idx' does not split the 96 input rows into groups of 32"),
     ("q35_act", _set(DOWN + ".g_idx", lambda t: torch.full((96,), 7, dtype=torch.int32)),
      f"tensor '{DOWN}.g_idx' names groups outside 0..2"),
+    ("q35_moe", _set(EXPERT + ".scales", torch.ones(3, 32, dtype=torch.float16)),
+     f"tensor '{EXPERT}.scales' has shape (3, 32); qweight [K/8, N] = (8, 32) with group_size 32 needs (2, 32)"),
+    ("q35_moe", lambda t: t.pop(EXPERT + ".qzeros"),
+     f"4-bit tensor '{EXPERT}.qweight' has no '{EXPERT}.qzeros' beside it"),
+    ("q35_moe", lambda t: [t.pop(EXPERT + "." + p) for p in ("qweight", "qzeros", "scales", "g_idx")],
+     "layers.0.mlp.experts: expert 1 is incomplete in the checkpoint"),  # (fuse_experts: the model's name)
     ("q35_act", _set("mtp.fc.qweight", torch.zeros(32, 64, dtype=torch.int32)),
      "tensor 'mtp.fc.qweight' is 4-bit but config.json's dynamic '-:.*mtp.*' says the module is not quantized"),
 ])
