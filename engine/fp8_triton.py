@@ -140,14 +140,14 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, choice)
     N = weight.shape[0]
     blocks = triton.cdiv(K, BLOCK)
     slices = triton.cdiv(blocks, min(ks, blocks))
-    out, part, locks = output(M, N, slices, x2)
+    block_m = triton.next_power_of_2(max(M, 1)) if kind == "rows" else max(16, bucket(M)) if M > 8 else 16
+    tiles = triton.cdiv(N, block_n) * (1 if kind == "rows" else triton.cdiv(M, block_m))
+    out, part, locks = output(M, N, slices, tiles, x2)
     if kind == "rows":
-        block_m = triton.next_power_of_2(max(M, 1))
         _fp8_rows[(triton.cdiv(N, block_n), slices)](
             x2, weight, scale, out, part, locks, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0),
             KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages)
     else:
-        block_m = max(16, bucket(M)) if M > 8 else 16
         _fp8_dot[(triton.cdiv(N, block_n), slices, triton.cdiv(M, block_m))](
             x2, weight, scale, out, part, locks, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0),
             KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages)

@@ -155,10 +155,10 @@ def _launch(x2: torch.Tensor, qweight, zeros, scales, group: int, choice) -> tor
     bk = block_k(group, K)
     blocks = triton.cdiv(K, bk)
     slices = triton.cdiv(blocks, min(ks, blocks))
-    out, part, locks = output(M, N, slices, x2)
+    block_m = 16 if M <= 16 else bucket(M)
+    out, part, locks = output(M, N, slices, triton.cdiv(N, block_n) * triton.cdiv(M, block_m), x2)
     args = (x2, qweight, zeros, scales, out, part, locks, M, N, K, K if group == -1 else group, x2.stride(0),
             qweight.stride(0), zeros.stride(0), scales.stride(0))
-    block_m = 16 if M <= 16 else bucket(M)
     if kind == "dot8":  # (its dots' K is BLOCK_K / 8: tensor cores need 16)
         if bk < 128:
             raise ValueError(f"dot8 needs 128-row K-blocks, not {bk}")

@@ -57,10 +57,13 @@ TILES = 1 << 16  # output tiles a split launch may have (34,816 columns / 16 x 1
 _locks: dict[torch.device, torch.Tensor] = {}
 
 
-def output(M: int, N: int, slices: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def output(M: int, N: int, slices: int, tiles: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(out [M, N] in like's dtype, the float32 partials [slices, M, N] (out itself unsplit), the tile counters
-    for store_tile). The counters are zeros allocated once per device outside any CUDA-graph capture (a capture's
-    allocation would belong to its graph's pool): install() and tune() launch every kernel before graphs exist."""
+    for store_tile; tiles: the launch's output tiles). The counters are zeros allocated once per device outside
+    any CUDA-graph capture (a capture's allocation would belong to its graph's pool): install() and tune() launch
+    every kernel before graphs exist."""
+    if slices > 1 and tiles > TILES:
+        raise ValueError(f"{tiles} output tiles: split-K has counters for {TILES}")
     out = torch.empty(M, N, device=like.device, dtype=like.dtype)
     part = out if slices == 1 else torch.empty(slices, M, N, device=like.device, dtype=torch.float32)
     locks = _locks.get(like.device)

@@ -144,3 +144,5 @@ def test_split_k_leaves_its_tile_counters_at_zero_and_repeats_bit_for_bit(triton
     for _ in range(3):
         assert torch.equal(fp8_triton._launch(x, w, s, ("rows", (32, 2, 4, 4))), first)
     assert not splitk._locks[x.device].any()
+    with pytest.raises(ValueError, match="output tiles"):  # more tiles than counters: refused, not overrun
+        splitk.output(1, 1, 2, splitk.TILES + 1, x)
