@@ -92,7 +92,7 @@ def acceptance_profiles(args, n: int) -> list[tuple[str, dict]]:
     from engine import EngineError
 
     out = []
-    for text in (args.acceptance_profile or "").split(";") if args.acceptance_profile else []:
+    for text in args.acceptance_profile.split(";") if args.acceptance_profile else []:
         if text.strip() == "changing":
             out.append(("oracle@changing", {"profile": EASY, "later": (n // 2, HARD)}))
             continue

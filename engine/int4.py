@@ -393,13 +393,11 @@ def choose(backends, modules, device, dtype) -> None:
 def _choose_experts(experts: list, device, dtype) -> str:
     """Int4Experts.dense: int4_triton's dequantizing kernel per routed expert where it runs and matches the
     float32 dequantization on expert 0 of each shape, else the float32 dequantization (the CPU's exact path)."""
-    from .int4_triton import block_k, usable
+    from .int4_triton import usable
     from .kernels import relative_error
 
-    why = usable(torch.device(device), dtype)
-    if why is None and any(block_k(g, k) is None for m in experts
-                           for g, k in zip(m.group_sizes, (m.hidden_dim, m.intermediate_dim))):
-        why = "a group size without a 16..128 power-of-two K-block"
+    why = usable(torch.device(device), dtype,
+                 [gk for m in experts for gk in zip(m.group_sizes, (m.hidden_dim, m.intermediate_dim))])
     worst, checked = 0.0, set()
     if why is None:
         try:

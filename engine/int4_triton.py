@@ -55,8 +55,8 @@ def block_k(group_size: int, k: int) -> int | None:
     return None
 
 
-def usable(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the kernel cannot serve Int4Linear here, or None."""
+def usable(device: torch.device, dtype: torch.dtype, groups=()) -> str | None:
+    """Why the kernels cannot serve 4-bit weights here, or None; groups: (group size, K) of each weight."""
     from .splitk import INTERPRET
 
     if triton is None:
@@ -65,6 +65,8 @@ def usable(device: torch.device, dtype: torch.dtype) -> str | None:
         return "CUDA only"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"16-bit activations only ({str(dtype).replace('torch.', '')}: dequantize, then matmul)"
+    if any(block_k(g, k) is None for g, k in groups):
+        return "a group size without a 16..128 power-of-two K-block"
     return None
 
 
@@ -254,9 +256,7 @@ def install(modules, device, dtype) -> str | None:
     if not lins:
         return None
     device = torch.device(device)
-    why = usable(device, dtype)
-    if why is None and any(block_k(m.group_size, m.in_features) is None for m in lins):
-        why = "a group size without a 16..128 power-of-two K-block"
+    why = usable(device, dtype, [(m.group_size, m.in_features) for m in lins])
     worst, checked = 0.0, set()
     if why is None:
         try:
