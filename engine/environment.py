@@ -349,13 +349,14 @@ def _fla_self_check(index: int) -> tuple[bool, str]:
 @functools.lru_cache(maxsize=None)
 def fla_inplace_status(index: int) -> tuple[bool, str]:
     """Whether FLA's recurrent kernel, launched directly with its final state aliasing its initial state
-    (kernels.fla_recurrent_inplace), matches the torch reference here: a check of the launch's arguments
-    against the installed FLA version as much as of the aliasing. Decoding copies the state when it fails."""
+    (kernels.fla_recurrent_into, as decoding runs it), matches the torch reference here: a check of the launch's
+    arguments against the installed FLA version as much as of the aliasing. Decoding and verify passes copy the
+    final state from FLA's own when it fails."""
     try:
-        from .kernels import fla_recurrent_inplace
+        from .kernels import fla_recurrent_into
 
         def inplace(q, k, v, g, beta, state):
-            return fla_recurrent_inplace(q, k, v, g, beta, state), state
+            return fla_recurrent_into(q, k, v, g, beta, state, state), state
 
         # a batch (commit's replay runs the layers as one) and T > 1
         err = _recurrent_error(index, inplace, B=2, T=3, seed=1)

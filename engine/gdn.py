@@ -114,8 +114,7 @@ def verify(mixer, x, conv, recurrent, backends, rows: tuple) -> torch.Tensor:
     # a prefill-width pass (graphs.GraphRunner.prefill) takes the chunked kernel: the recurrent one is sequential
     # over tokens, 0.35 ms a layer at 224 tokens on the H200 (27B shape), 17 ms of a 200-token prompt
     kernel = backends.gdn_chunk if T > SHORT_CONV_AS_PRODUCTS else backends.gdn_recurrent
-    core, final = kernel(q, k, v, g, beta, recurrent)
-    sfinal.copy_(final[0])
+    core = kernel.verify(q, k, v, g, beta, recurrent, sfinal.unsqueeze(0))
     return output(mixer, core, z)
 
 

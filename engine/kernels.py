@@ -95,25 +95,32 @@ def fla_recurrent(q, k, v, g, beta, state):
     )
 
 
-def fla_recurrent_inplace(q, k, v, g, beta, state) -> torch.Tensor:
-    """FLA's fused recurrent kernel launched with its final-state output aliasing its initial state: each program
-    loads its own block of the state once, before the first token, and stores the same block after the last, so
-    the aliasing is safe, and the state copy after every decode step (3.1 MB a layer, 0.11 ms a token on the 27B
-    shape) goes away. FLA's wrapper always allocates a new final state, so the kernel is launched directly, with
-    the wrapper's own arguments; a self-check at load (environment.fla_inplace_status) guards the signature."""
+# Blocks of 16 value columns, one warp a program: on the H200 (27B shape, gdn_ops_h200.json) 15-24% faster than
+# FLA wrapper's 8 at every width measured: 4.74 against 5.58 us a layer decoding, 8.9 against 11.0 at 4 rows, 81
+# against 107 us for commit's replay of 48 layers
+RECURRENT_LAUNCH = {"BV": 16, "num_warps": 1, "num_stages": 3}
+
+
+def fla_recurrent_into(q, k, v, g, beta, state, final, launch=RECURRENT_LAUNCH) -> torch.Tensor:
+    """FLA's fused recurrent kernel launched with its final state written into `final`, which may be `state`
+    itself: each program loads its own block of the state once, before the first token, and stores the same
+    block after the last, so the aliasing is safe. FLA's wrapper always allocates a new final state, which then
+    costs a copy (3.1 MB a layer, 0.11 ms a token on the 27B shape: into the committed state when decoding, into
+    the verify stash when speculating), so the kernel is launched directly, with the wrapper's own arguments; a
+    self-check at load (environment.fla_inplace_status) guards the signature."""
     import triton
     from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel as kernel
 
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))  # the kernel's pointer arithmetic
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
-    BV = min(8, triton.next_power_of_2(V))
+    BV = min(launch["BV"], triton.next_power_of_2(V))
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     kernel[(triton.cdiv(V, BV) * B * HV,)](
-        q=q, k=k, v=v, g=g, gk=None, gv=None, beta=beta, A_log=None, dt_bias=None, o=o, h0=state, ht=state,
+        q=q, k=k, v=v, g=g, gk=None, gv=None, beta=beta, A_log=None, dt_bias=None, o=o, h0=state, ht=final,
         cu_seqlens=None, scale=K**-0.5, T=T, H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
         IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True, APPLY_BETA_SIGMOID=False, ALLOW_NEG_EIGVAL=False,
-        STATE_V_FIRST=False, num_warps=1, num_stages=3,
+        STATE_V_FIRST=False, num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )
     return o
 
@@ -135,32 +142,30 @@ def fla_chunk(q, k, v, g, beta, state):
 IMPLEMENTATIONS = {"torch": (torch_recurrent, torch_chunk), "fla": (fla_recurrent, fla_chunk)}
 
 
-def run_gdn(q, k, v, g, beta, state, impl: str, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out, final = IMPLEMENTATIONS[impl][int(chunked)](q, k, v, g, beta, state)
-    # fresh tensors (no input aliasing, as custom ops require), contiguous whatever the kernel returned: compiled
+def run_gdn(q, k, v, g, beta, state, final, impl: str, chunked: bool, direct: bool) -> torch.Tensor:
+    """The kernel's output; `final` [B, Hv, Dk, Dv] (contiguous, float32) receives the final state, which may be
+    `state` itself. direct: the FLA recurrent kernel writes it there (fla_recurrent_into); otherwise it is
+    copied from the kernel's own."""
+    if direct:
+        return fla_recurrent_into(q, k, v, g, beta, state, final)
+    out, last = IMPLEMENTATIONS[impl][int(chunked)](q, k, v, g, beta, state)
+    final.copy_(last)
+    # a fresh tensor (no input aliasing, as custom ops require), contiguous whatever the kernel returned: compiled
     # code trusts the fake's strides below (a mismatch failed every verify width > 1 on the H200)
-    return out.contiguous(), final.contiguous()
+    return out.contiguous()
 
 
-@torch.library.custom_op("mtpchat::gdn", mutates_args=())
+@torch.library.custom_op("mtpchat::gdn", mutates_args=("final",))
 def gdn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           state: torch.Tensor, impl: str, chunked: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return run_gdn(q, k, v, g, beta, state, impl, chunked)
+           state: torch.Tensor, final: torch.Tensor, impl: str, chunked: bool, direct: bool) -> torch.Tensor:
+    """A verify pass: the committed `state` is read, the final state goes to the stash's `final`."""
+    return run_gdn(q, k, v, g, beta, state, final, impl, chunked, direct)
 
 
 @gdn_op.register_fake
-def _(q, k, v, g, beta, state, impl, chunked):
+def _(q, k, v, g, beta, state, final, impl, chunked, direct):
     # not empty_like(v): v is a strided view of the conv output, the kernels' outputs are not
-    return v.new_empty(v.shape), state.new_empty(state.shape, dtype=torch.float32)
-
-
-def run_gdn_update(q, k, v, g, beta, state, impl: str, chunked: bool, inplace: bool) -> torch.Tensor:
-    """The kernel's output; `state` [B, Hv, Dk, Dv] (contiguous, float32) becomes the final state."""
-    if inplace:
-        return fla_recurrent_inplace(q, k, v, g, beta, state)
-    out, final = IMPLEMENTATIONS[impl][int(chunked)](q, k, v, g, beta, state)
-    state.copy_(final)
-    return out.contiguous()
+    return v.new_empty(v.shape)
 
 
 def split_qkv(qkv: torch.Tensor, heads: list[int]):
@@ -175,24 +180,21 @@ def split_qkv(qkv: torch.Tensor, heads: list[int]):
 # its own, and q, k, v as three inputs cost two more kernels a layer (H200, 27B shape: 240 input kernels a step)
 @torch.library.custom_op("mtpchat::gdn_update", mutates_args=("state",))
 def gdn_update_op(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, heads: list[int],
-                  impl: str, chunked: bool, inplace: bool) -> torch.Tensor:
-    return run_gdn_update(*split_qkv(qkv, heads), g, beta, state, impl, chunked, inplace)
+                  impl: str, chunked: bool, direct: bool) -> torch.Tensor:
+    return run_gdn(*split_qkv(qkv, heads), g, beta, state, state, impl, chunked, direct)
 
 
 @gdn_update_op.register_fake
-def _(qkv, g, beta, state, heads, impl, chunked, inplace):
+def _(qkv, g, beta, state, heads, impl, chunked, direct):
     return qkv.new_empty(*qkv.shape[:2], heads[2], heads[3])
 
 
-@torch.library.custom_op("mtpchat::store_conv_state", mutates_args=("conv",))
 def store_conv_state(conv: torch.Tensor, window: torch.Tensor) -> None:
-    """The in-place conv-cache update of prefill: one layer's conv [C, K-1] = the last K-1 inputs of the window."""
+    """The in-place conv-cache update of prefill and plain decoding: one layer's conv [C, K-1] = the last K-1
+    inputs of the window. Plain torch, so that compiled code folds the copy into the kernel that builds the window
+    (as a custom op it cost two kernels a layer: the window materialised for it, then the copy; 96 a step on the
+    27B shape)."""
     conv.copy_(window[0, :, window.shape[-1] - conv.shape[-1]:])
-
-
-@store_conv_state.register_fake
-def _(conv, window):
-    return None
 
 
 @dataclass
@@ -201,25 +203,25 @@ class Kernel:
 
     impl: str
     chunked: bool
-    inplace: bool = False  # update() writes the final state over the initial one inside the kernel
+    direct: bool = False  # the kernel writes its final state where it is asked to (fla_recurrent_into), no copy
 
-    def __call__(self, q, k, v, g, beta, state):
-        """(output, final state); `state` is left alone (verify)."""
+    def verify(self, q, k, v, g, beta, state, final):
+        """The output; `state` is left alone, `final` receives the final state (a verify pass into its stash)."""
         if torch.compiler.is_compiling():  # the op is the compile boundary
-            return gdn_op(q, k, v, g, beta, state, self.impl, self.chunked)
+            return gdn_op(q, k, v, g, beta, state, final, self.impl, self.chunked, self.direct)
         # eager calls skip the custom op's dispatch: about 135 us a call on this CPU, 10% of the demo model's step
-        return run_gdn(q, k, v, g, beta, state, self.impl, self.chunked)
+        return run_gdn(q, k, v, g, beta, state, final, self.impl, self.chunked, self.direct)
 
     def update(self, qkv, g, beta, state, heads: list[int]):
         """The output; `state` becomes the final state (prefill, plain decoding). qkv: the conv output [B, T, C],
         heads: [Hk, Dk, Hv, Dv] (split_qkv)."""
         if torch.compiler.is_compiling():
-            return gdn_update_op(qkv, g, beta, state, heads, self.impl, self.chunked, self.inplace)
+            return gdn_update_op(qkv, g, beta, state, heads, self.impl, self.chunked, self.direct)
         return self.update_rows(*split_qkv(qkv, heads), g, beta, state)
 
     def update_rows(self, q, k, v, g, beta, state):
         """update() over q, k, v given apart (commit's replay of stashed rows; eager only)."""
-        return run_gdn_update(q, k, v, g, beta, state, self.impl, self.chunked, self.inplace)
+        return run_gdn(q, k, v, g, beta, state, state, self.impl, self.chunked, self.direct)
 
 
 @dataclass
@@ -239,11 +241,11 @@ def select_backends(device: torch.device) -> Backends:
     if reason is None:
         from .environment import fla_inplace_status
 
-        inplace, why = fla_inplace_status(device.index or 0)
-        b.gdn_chunk, b.gdn_recurrent = Kernel("fla", True), Kernel("fla", False, inplace)
+        direct, why = fla_inplace_status(device.index or 0)
+        b.gdn_chunk, b.gdn_recurrent = Kernel("fla", True), Kernel("fla", False, direct)
         b.choice["gdn_chunk"] = ("fla", "flash-linear-attention Triton kernel on CUDA")
         b.choice["gdn_recurrent"] = ("fla", "flash-linear-attention Triton kernel on CUDA; "
-                                            + ("state updated in place" if inplace else f"state copied ({why})"))
+                                            + ("final state written in place" if direct else f"final state copied ({why})"))
     else:
         b.choice["gdn_chunk"] = ("torch", f"chunked torch reference: {reason}")
         b.choice["gdn_recurrent"] = ("torch", f"recurrent torch reference: {reason}")

@@ -118,8 +118,9 @@ class MTPHead(nn.Module):
         h = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], -1))  # embedding first, hidden second
         pos = trunk.positions(pos, h.shape[1])
         cos, sin = rope or trunk.rope(pos, h.shape[1])
-        h = trunk.layer_step(pos)(trunk, self.layers[0], "full_attention", h, pos, cos, sin, cache.layer(0), None)
-        out = self.norm(h)
+        h, pending = trunk.layer_step(pos)(trunk, self.layers[0], "full_attention", h, torch.zeros_like(h), pos, cos,
+                                           sin, cache.layer(0), None)
+        out = self.norm(h + pending)
         if row is not None:
             out = out.index_select(1, row)
         elif last_only:

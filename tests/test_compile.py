@@ -27,9 +27,13 @@ def test_standin_breaks_fullgraph_without_the_boundary(monkeypatch):
     g, beta, s = -torch.rand(1, 2, 2), torch.rand(1, 2, 2), torch.zeros(1, 2, 8, 8)
     with pytest.raises(Exception):
         torch.compile(lambda *a: standin_recurrent(*a)[0], fullgraph=True, backend="aot_eager")(q, k, v, g, beta, s)
-    out = torch.compile(lambda *a: kernels.gdn_op(*a, "standin", False)[0], fullgraph=True, backend="aot_eager")(
-        q, k, v, g, beta, s)
-    torch.testing.assert_close(out, kernels.torch_recurrent(q, k, v, g, beta, s)[0])
+    final = torch.empty_like(s)
+    out = torch.compile(lambda *a: kernels.gdn_op(*a, "standin", False, False), fullgraph=True,
+                        backend="aot_eager")(q, k, v, g, beta, s, final)
+    ref_out, ref_final = kernels.torch_recurrent(q, k, v, g, beta, s)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(final, ref_final)  # the final state went where it was asked to
+    assert not s.any()  # and the state it started from was left alone
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -41,7 +45,7 @@ def test_gdn_op_fake_matches_the_kernel_on_strided_inputs(chunked):
     q, k, v = (t.reshape(1, T, H, D) for t in torch.split(conv.transpose(1, 2), H * D, dim=-1))
     assert not v.is_contiguous()
     g, beta, s = -torch.rand(1, T, H), torch.rand(1, T, H), torch.zeros(1, H, D, D)
-    torch.library.opcheck(kernels.gdn_op, (q, k, v, g, beta, s, "torch", chunked),
+    torch.library.opcheck(kernels.gdn_op, (q, k, v, g, beta, s, torch.empty_like(s), "torch", chunked, False),
                           test_utils=("test_schema", "test_faketensor"))
     # the in-place form (prefill, plain decoding, commit's replay): declared mutation of the state, fresh output
     torch.library.opcheck(kernels.gdn_update_op, (conv.transpose(1, 2), g, beta, s, [H, D, H, D], "torch",
@@ -69,7 +73,7 @@ def test_verify_and_prefill_compile_fullgraph(engine):
         compiled_prefill = torch.compile(prefill_step, fullgraph=True, backend="aot_eager")
         h = compiled_prefill(prompt[None], torch.tensor(0))
         torch.testing.assert_close(h, eager_h)
-        # the conv cache was mutated in place by the compiled graph, through the custom op
+        # the conv cache was mutated in place by the compiled graph
         torch.testing.assert_close(caches.gdn.conv, eager_conv)
         torch.testing.assert_close(caches.gdn.recurrent, eager_rec)
         caches.processed = prompt.shape[0]
@@ -77,8 +81,12 @@ def test_verify_and_prefill_compile_fullgraph(engine):
         tokens = torch.tensor([[5, 6, 7]])
         pos = torch.tensor(caches.processed)
         eager = verify_step(tokens, pos)
+        eager_final = caches.stash.final.clone()
+        caches.stash.final.zero_()
         compiled = torch.compile(verify_step, fullgraph=True, backend="aot_eager")
         torch.testing.assert_close(compiled(tokens, pos), eager)
+        # each GDN layer's final state went into the stash, through the custom op
+        torch.testing.assert_close(caches.stash.final, eager_final)
         # a later cycle at another position re-uses the compiled graph (position is a tensor, not a constant)
         torch.testing.assert_close(compiled(tokens, pos + 1), verify_step(tokens, pos + 1))
 

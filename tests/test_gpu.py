@@ -65,6 +65,22 @@ def test_cuda_graphs_certified_and_lossless(name, ckpt):
     assert (again["captures"], again["verify_refresh"]["captures"]) == captures
 
 
+@pytest.mark.parametrize("name", ["q35", "next_moe"])
+def test_compiled_graphs_decode_like_eager_in_float32(name, ckpt):
+    """--compile: the compiled layers (inductor, inside the graphs) write the GDN conv cache and the verify stash's
+    final states as the eager steps do: plain and speculative tokens equal the eager engine's."""
+    eager = load_engine(str(ckpt(name)), device="cuda", dtype="float32", cuda_graphs=False)
+    compiled = load_engine(str(ckpt(name)), device="cuda", dtype="float32", cuda_graphs=True, compile=True)
+    prompt = compiled.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    plain = tokens(eager, prompt, 0)
+    vocab = compiled.trunk.config.vocab_size
+    assert tokens(compiled, prompt, 0) == plain
+    for depth in (1, 3):
+        assert tokens(compiled, prompt, depth, OracleDrafter(plain, len(prompt), 0.4, vocab, seed=depth)) == plain
+    report = compiled.diagnostics()["compile"]["cuda_graphs"]
+    assert report["compiled"] and report["compile_failure"] is None and report["decode"]["failure"] is None
+
+
 def test_triton_moe_passes_its_self_check_in_bf16_and_speculation_stays_exact_in_float32(ckpt):
     """bf16 on CUDA selects the Triton MoE (weights read in place); float32 keeps the row-wise path, so the
     float32 exactness above still holds for MoE families."""

@@ -20,6 +20,10 @@
 #                                         # 27B shape Int4 and FP8 speed
 #   bash packaging/bench/h200.sh prefill  # 27B shape: prefill tok/s, TTFT, peak memory, decode at 200 .. 131072
 #                                         # prompt tokens; the demo model's MTP acceptance against context length
+#   bash packaging/bench/h200.sh auto     # compiled-graph and quantized-kernel GPU tests; 27B shape --compile: auto
+#                                         # against fixed depths at the flat, realistic and changing profiles
+#   bash packaging/bench/h200.sh quant    # GPU tests; 27B shape Int4 --compile; FP8 and bf16 prefill of 8k prompt tokens
+#   bash packaging/bench/h200.sh gdn      # the GDN recurrent kernel's launch configurations per call (gdn_ops.py)
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
 set -uo pipefail
 [ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
@@ -156,5 +160,27 @@ draft)  # issue #27 (draft models) and #23 (FP8 routed experts), about 6 minutes
           --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/draft27b_${d}_h200.json"
   done
   timeout 90 python3 packaging/bench/fp8_moe_ops.py 2>&1 | tee "$OUT/fp8_moe_ops_h200.txt"
+  ;;
+auto)  # issue #28 (about 9 minutes): compiled-graph and quantized-kernel GPU tests, then the 27B shape
+  timeout 170 python3 -m pytest -v tests/test_gpu.py tests/test_int4.py tests/test_fp8_triton.py -p no:cacheprovider \
+        -k "compiled or certified or kernel or cuda or experts or split_k" 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|Error|passed|failed" | tee "$OUT/gpu_tests.txt" | grep -v PASSED | tail -20
+  BENCH_TIMEOUT=360 bench --random-weights qwen3.5-27b --compile --depths 0,2,3,4,auto --drafter oracle \
+        --acceptance 1.0,0.5,0 --acceptance-profile "0.92,0.84,0.65,0.54;changing" --max-new-tokens 128 --repeat 2 \
+        --no-hf --out "$OUT/auto27b_h200.json"
+  ;;
+quant)  # issues #29 / #23 / #28 (about 8.5 minutes)
+  timeout 120 python3 -m pytest -v tests/test_gpu.py tests/test_int4.py tests/test_fp8_triton.py -p no:cacheprovider \
+        -k "compiled or certified or kernel or cuda or experts or split_k" 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|Error|passed|failed|No module" | tee "$OUT/gpu_tests.txt" | grep -v PASSED | tail -20
+  BENCH_TIMEOUT=200 bench --random-weights qwen3.5-27b --quant int4 --compile --depths 0,3 --drafter oracle \
+        --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_int4_compile_h200.json"
+  for q in fp8 bf16; do  # the prefill path with no graphs, as prefill8k_bf16_h200.json measured it
+    BENCH_TIMEOUT=100 bench --random-weights qwen3.5-27b --quant $q --prompt-tokens 8192 --depths 0 --max-new-tokens 8 \
+          --repeat 1 --no-hf --no-graphs --out "$OUT/prefill8k_${q}_h200.json"
+  done
+  ;;
+gdn)
+  timeout 60 python3 packaging/bench/gdn_ops.py --json "$OUT/gdn_ops_h200.json" 2>&1 | grep -E "^B |Error"
   ;;
 esac
