@@ -519,9 +519,8 @@ def _check_args(args) -> None:
         raise EngineError("--model and --random-weights: give one or the other")
     if args.quant != "bf16" and not args.random_weights:
         raise EngineError(f"--quant {args.quant}: only with --random-weights (a checkpoint's format is its own)")
-    if args.quant in ("fp8", "int4") and args.tp and args.tp > 1:
-        raise EngineError(f"--quant {args.quant} with --tp: {args.quant.upper()} under tensor parallelism is not "
-                          f"supported yet")
+    if args.quant == "fp8" and args.tp and args.tp > 1:  # (int4: each rank quantizes its own shard)
+        raise EngineError("--quant fp8 with --tp: FP8 under tensor parallelism is not supported yet")
     if args.random_weights and args.random_weights not in PRESETS:
         raise EngineError(f"--random-weights {args.random_weights!r}: presets are {', '.join(PRESETS)}")
     check_model_folder(args)

@@ -657,3 +657,105 @@ def _install(model: nn.Module, base: str, p: Packed) -> bool:
         return False
     setattr(owner, name, Int4Linear(p.k, p.n, p.qweight, p.zeros, p.scales, p.group_size, p.perm))
     return True
+
+
+# --- tensor parallelism ------------------------------------------------------------------------------------------
+
+def tp_slicer(slicer, shape_of: dict, sch: Scheme):
+    """Tensor parallelism over a GPTQ / AWQ checkpoint. `slicer` (tp.ShardPlan.selection) knows only the logical
+    `X.weight` [N, K]: each of X's packed tensors takes the part of it that holds the rank's rows (N: column-parallel)
+    or columns (K: row-parallel) of that weight (_packed_selection). shape_of: the checkpoint's shapes (the qweight's
+    gives N and K). Every other tensor goes to `slicer` as it is."""
+
+    def select(key: str, shape: tuple[int, ...]):
+        hit = part_of(key)
+        if hit is None:
+            return slicer(key, shape)
+        module, part = hit
+        nk = _logical_shape(sch, shape_of.get(module + ".qweight"))
+        if nk is None:  # no (2-D) qweight beside it: read whole, and read_packed / adopt refuse it in one line
+            return None
+        sel = slicer(module + ".weight", nk)
+        return None if sel is None else _packed_selection(sch, module, part, sel, *nk)
+
+    return select
+
+
+def _logical_shape(sch: Scheme, qweight_shape) -> tuple[int, int] | None:
+    """(N, K) of the weight a qweight of this shape packs (GPTQ [K/8, N], AWQ [K, N/8]); None if it is not 2-D."""
+    if qweight_shape is None or len(qweight_shape) != 2:
+        return None
+    rows, cols = qweight_shape
+    return (cols * PACK, rows) if sch.method == "awq" else (cols, rows * PACK)
+
+
+def _packed_selection(sch: Scheme, module: str, part: str, sel, n: int, k: int):
+    """The part of `module`'s packed tensor `part` that holds selection `sel` of its weight [N, K].
+
+    Column-parallel (sel.dim 0, ranges of N): GPTQ's qweight and both formats' scales take the same columns;
+    qzeros (both) and AWQ's qweight, packed 8 columns a word, take the words (ranges must be multiples of 8); g_idx
+    is whole. Row-parallel (sel.dim 1, ranges of K): GPTQ's qweight, packed 8 rows a word, takes rows / 8, AWQ's
+    the rows; scales and qzeros the ranges' groups (ranges must be whole groups: a group's scale cannot be halved),
+    or all of the one group when group_size is -1; g_idx the same rows, its group numbers made the rank's own
+    (_GroupIndex: refused when act-order scattered them over other ranks' groups)."""
+    from .tp import Selection
+
+    gs = sch.group_size_of(module)
+    awq = sch.method == "awq"
+    side, total = ("rows", n) if sel.dim == 0 else ("columns", k)
+
+    def refuse(a, b, why):
+        raise EngineError(f"--tp: 4-bit weight {module!r}: this rank's {side} [{a}, {b}) of {total} {why}; try "
+                          f"another --tp or one device")
+
+    if sel.zero or sel.size is not None:  # lm_head's padded vocab rows (a 4-bit lm_head): words are not padded here
+        refuse(*(sel.ranges[0] if sel.ranges else (0, 0)), f"are padded to {sel.size}, which packed 4-bit tensors "
+                                                            f"cannot be")
+    unit = PACK if sel.dim == 0 or gs == -1 else gs  # (group sizes are multiples of 8)
+    for a, b in sel.ranges:
+        if a % unit or (b % unit and b != total):
+            refuse(a, b, f"are not multiples of {PACK}, so its packed words cannot be split" if unit == PACK else
+                   f"are not whole groups of {gs}, so its scales and zeros cannot be split")
+    words = [(a // PACK, b // PACK) for a, b in sel.ranges]  # (K and N are multiples of 8)
+    if sel.dim == 0:
+        if part == "g_idx":
+            return None
+        return Selection(1, words if part == "qzeros" or (awq and part == "qweight") else list(sel.ranges))
+    if part == "qweight":
+        return Selection(0, list(sel.ranges) if awq else words)
+    groups = [(0, 1) if gs == -1 else (a // gs, -(-b // gs)) for a, b in sel.ranges]
+    if part == "g_idx":
+        return _GroupIndex(Selection(0, list(sel.ranges)), module, groups, n_groups(k, gs))
+    return None if gs == -1 else Selection(0, groups)
+
+
+@dataclass
+class _GroupIndex:
+    """g_idx's rows for a row-parallel rank (`rows`, a tp.Selection), each range's group numbers renumbered to the
+    rank's own groups (it holds groups[i] of the checkpoint's `total` for range i). Exact when every row of a range
+    lies in that range's groups, as without act-order; act-order (desc_act) that put a row in a group another rank
+    holds is refused, since this rank's scales and zeros do not cover it. Values outside all groups pass as they
+    are: read_packed refuses them in its own words."""
+
+    rows: object
+    module: str
+    groups: list
+    total: int
+
+    def shape(self, full: tuple[int, ...]) -> tuple[int, ...]:
+        return self.rows.shape(full)
+
+    def read(self, sl, full: tuple[int, ...], dtype=None) -> torch.Tensor:
+        t = self.rows.read(sl, full, dtype)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.total):
+            return t
+        out, start, local = [], 0, 0
+        for (a, b), (g0, g1) in zip(self.rows.ranges, self.groups):
+            rows = t[start : start + b - a]
+            if rows.numel() and (int(rows.min()) < g0 or int(rows.max()) >= g1):
+                raise EngineError(f"--tp: 4-bit weight {self.module!r}: act-order (desc_act) put some of this rank's "
+                                  f"columns [{a}, {b}) of {full[0]} in groups other ranks hold, so its scales and "
+                                  f"zeros do not cover them; try another --tp or one device")
+            out.append(rows - g0 + local)
+            start, local = start + b - a, local + g1 - g0
+        return torch.cat(out) if len(out) != 1 else out[0]

@@ -599,16 +599,13 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp
     if mislabelled:
         raise EngineError(f"{where}: {mislabelled}")
     if files.int4 is not None:
-        if tp is not None:  # a rank's slice of packed rows would need its slice of the groups
-            raise EngineError(f"{where}: --tp does not read GPTQ / AWQ checkpoints yet; run on one device")
         int4.check_exclusions(files.int4, files.keys(), lambda k: root / files.file_of[k])
     plan = None
     if tp is not None:  # modules from the rank's local config; only the rank's slices are read
         from .tp import ShardPlan
 
         plan = tp.plan = ShardPlan(cfg, tp.rank, tp.world, where=where)
-        # (FP8: each weight's block scales follow its rows / columns)
-        files.slicer = fp8.tp_slicer(plan.selection, files.shape_of) if files.fp8 else plan.selection
+        files.slicer = _tp_slicer(plan, files)
         cfg = plan.local_config
         tp.vocab_size = cfg.vocab_size
 
@@ -659,7 +656,7 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp
         from .mtp_from import head_source
 
         head_files, declared = head_source(mtp_from, family)
-        head_files.slicer = files.slicer
+        head_files.slicer = _tp_slicer(plan, head_files) if plan is not None else None  # (its own shapes, format)
         trunk.backends.choice["mtp_head"] = ("--mtp-from", f"the MTP head's tensors from {head_files.root}")
     mtp_keys = [k for k in head_files.keys() if k.startswith("mtp.")]
     mtp, n_mtp = None, 0
@@ -687,6 +684,16 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp
     from .discovery import _default_name  # the name discovery gives the folder (a Hub snapshot: its repo id)
 
     return Loaded(_default_name(root), str(root), raw, trunk, mtp, n_mtp, params, fallbacks)
+
+
+def _tp_slicer(plan, files):
+    """What a rank reads of each tensor in `files` (a TensorFiles): plan.selection's rows / columns, and for a
+    quantized checkpoint the parts of its scales (FP8: 128-blocks) or packed tensors (GPTQ / AWQ) that hold them."""
+    if files.fp8:
+        return fp8.tp_slicer(plan.selection, files.shape_of)
+    if files.int4 is not None:
+        return int4.tp_slicer(plan.selection, files.shape_of, files.int4)
+    return plan.selection
 
 
 def _check_tensors(root, expected: dict, sd: dict, origin: dict, what: str) -> None:

@@ -28,7 +28,10 @@ acceptance is identical, and sampled decoding uses a generator seeded identicall
 rank 0 and broadcast when the request has none). Commit, replay and refresh are local to each shard.
 
 Only each rank's slice of every tensor is read from safetensors (`get_slice(name)[a:b]`); the full embedding is
-the one tensor every rank holds whole.
+the one tensor every rank holds whole. The plan names logical `X.weight` tensors only: quantized checkpoints map
+its rows / columns onto their own tensors (fp8.tp_slicer: the 128-block scales; int4.tp_slicer: GPTQ / AWQ packed
+words, group scales and zeros, g_idx renumbered), refusing in one line a split that would cut a block, a group or
+a packed word.
 """
 
 from __future__ import annotations
