@@ -1,0 +1,69 @@
+"""`--depth auto` against fixed depths in expectation, and how far one bench run strays from it: the engine's
+DepthChooser (autodepth.py) driven by simulated cycles whose costs are the 27B shape's on the H200 (--compile,
+auto27b_v2_h200.json: ms per cycle, verify + draft + commit) and whose acceptance follows the bench's oracle
+profiles. `python3 packaging/bench/auto_sim.py` (CPU, seconds).
+"""
+import argparse
+import random
+import statistics
+
+from engine.autodepth import DepthChooser
+
+COST_MS = {0: 14.86, 1: 16.2, 2: 16.4, 3: 16.35, 4: 16.8}  # (depth 1: not in that run; between 0 and 2)
+EASY, HARD = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.0]  # cmd_bench's 'changing' profile
+PROFILES = {
+    "flat 1.0": lambda made, n: [1.0] * 4,
+    "flat 0.5": lambda made, n: [0.5] * 4,
+    "flat 0": lambda made, n: [0.0] * 4,
+    "0.92/0.84/0.65/0.54": lambda made, n: [0.92, 0.84, 0.65, 0.54],
+    "changing": lambda made, n: EASY if made < n // 2 else HARD,
+}
+
+
+def reply(profile, depth, n: int, rng: random.Random) -> float:
+    """Tokens per second of one n-token reply at `depth` (an int, or "auto")."""
+    chooser = DepthChooser(4, mean_first=True)
+    made, ms = 0, 0.0
+    while made < n:
+        k = chooser.pick() if depth == "auto" else depth
+        flags = []
+        for p in profile(made, n)[:k]:  # each position conditional on the one before: a rejection ends the cycle
+            flags.append(rng.random() < p)
+            if not flags[-1]:
+                break
+        chooser.observe(k, flags, COST_MS[k])
+        made += 1 + sum(flags[: flags.index(False)] if False in flags else flags)
+        ms += COST_MS[k]
+    return made / ms * 1e3
+
+
+def bench_row(profile, depth, n: int, repeat: int, rng) -> float:
+    return statistics.mean(reply(profile, depth, n, rng) for _ in range(repeat))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=300)
+    args = ap.parse_args()
+    rng = random.Random(0)
+    for name, profile in PROFILES.items():
+        # in expectation (many replies): auto against the best fixed depth
+        expected = {d: bench_row(profile, d, args.tokens, 400, rng) for d in (0, 1, 2, 3, 4, "auto")}
+        best = max(range(5), key=expected.get)
+        ratios, ideal = [], []
+        for _ in range(args.runs):  # one bench run each: a row against the best fixed row of that run
+            fixed = max(bench_row(profile, d, args.tokens, args.repeat, rng) for d in range(5))
+            ratios.append(bench_row(profile, "auto", args.tokens, args.repeat, rng) / fixed)
+            ideal.append(bench_row(profile, best, args.tokens, args.repeat, rng) / fixed)
+        ratios.sort()
+        tenth, ninetieth = ratios[len(ratios) // 10], ratios[len(ratios) * 9 // 10]
+        print(f"{name:>20}: expected auto / best (depth {best}) {expected['auto'] / expected[best]:.3f}; one run's "
+              f"auto / its best row: median {statistics.median(ratios):.3f}, 10-90% {tenth:.3f}-{ninetieth:.3f}, "
+              f"below 0.97 in {sum(r < 0.97 for r in ratios) / len(ratios):.0%} (depth {best} fixed, as a row "
+              f"against the same runs' best: median {statistics.median(ideal):.3f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
