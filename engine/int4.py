@@ -284,8 +284,9 @@ class Int4Experts(DequantizingExperts):
     Int4Linear's: installed filled at load, outside the state dict, moved by module.to(device).
 
     It stands in for transformers' experts module as fp8.FP8Experts does: forward (the block's own forward: long
-    prefills) dequantizes each routed expert before its matmuls; moe_rowwise takes `dense`. No MoE kernel reads
-    4-bit experts yet (moe_check skips the Triton and grouped paths for them)."""
+    prefills) dequantizes each routed expert before its matmuls; moe_rowwise takes `dense`; on CUDA in 16-bit
+    decode and verify widths go through int4_moe_triton's kernels, which read these buffers as they are, after
+    moe_check's self-check."""
 
     def __init__(self, act_fn, group_sizes: tuple[int, int], gate_up: tuple, down: tuple,
                  gate_up_perm: torch.Tensor | None = None, down_perm: torch.Tensor | None = None):

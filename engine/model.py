@@ -5,6 +5,7 @@ transformers defines the modules and we load the weights into them; the loop, th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -256,8 +257,6 @@ def choose_fp8(backends, modules, device, dtype) -> None:
 def choose_decode_attention(trunk) -> None:
     """Graph-mode attention: the split-K Triton kernel over the filled length (attention_triton.py) when it
     serves this trunk and matches the masked form on random inputs; else the masked form, with the reason."""
-    import os
-
     from . import attention_triton
 
     c = trunk.config
@@ -285,11 +284,13 @@ def moe_check(trunk) -> tuple[str, str]:
     """The fastest MoE path whose output matches moe_rowwise's on the first MoE layer: Triton kernels, then
     grouped GEMMs. CUDA only (on the CPU the row-wise form is the exact reference the tests hold). FP8 experts
     (fp8.FP8Experts) are checked the same way, through the kernels' FP8 variant, against moe_rowwise's exact
-    dequantization; grouped GEMMs do not serve them. 4-bit experts (int4.Int4Experts) have no kernel in either:
-    row-wise, with the reason."""
+    dequantization; grouped GEMMs do not serve them. 4-bit experts (int4.Int4Experts) likewise, through
+    int4_moe_triton's kernels. MTPCHAT_MOE=rowwise keeps the row-wise path (the bench's comparison)."""
     layer = next((l for l in trunk.layers if hasattr(l.mlp, "experts")), None)
     if layer is None:
         return "rowwise", "no MoE layers"
+    if os.environ.get("MTPCHAT_MOE") == "rowwise":
+        return "rowwise", "row-wise batched matmuls (MTPCHAT_MOE=rowwise)"
     if trunk.device.type != "cuda":
         return "rowwise", "row-wise batched matmuls over gathered expert weights (the others: CUDA only)"
     if trunk.dtype == torch.float32:  # float32 is the exactness reference: verify and decode must round alike

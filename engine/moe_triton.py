@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from .fp8 import FP8Experts
 from .fusion import dense_mlp
+from .int4 import Int4Experts
 
 try:
     import triton
@@ -71,8 +72,9 @@ def available() -> bool:
 
 
 def _configs(sets, names):
+    """Autotuning configurations from tuples of the block sizes `names`, then the warps."""
     sets = sets[:1] if INTERPRET else sets
-    return [triton.Config(dict(zip(names, s[:2])), num_warps=s[2]) for s in sets]
+    return [triton.Config(dict(zip(names, s[:-1])), num_warps=s[-1]) for s in sets]
 
 
 if triton is not None:
@@ -262,6 +264,8 @@ def inline_shared(block) -> bool:
     activation (FP8 ones with their scales: fusion.py concatenates FP8 gate / up only in whole 128-row blocks,
     which is FP8Experts' scale layout)."""
     shared, experts = block.shared_expert, block.experts
+    if isinstance(experts, Int4Experts):  # its kernels have no shared pair (the 4-bit releases keep it 16-bit)
+        return False
     if not (getattr(block, "fused_names", None) == ("gate", "shared_expert_gate")
             and getattr(shared, "fused_names", None) == ("gate_proj", "up_proj")
             and shared.fused_weight.shape == experts.gate_up_proj.shape[1:]
@@ -280,10 +284,14 @@ def inline_shared(block) -> bool:
 
 def unreadable(experts) -> str | None:
     """Why the kernels cannot read these experts (moe_check's reason to skip them), or None: they read transformers'
-    stacked 16-bit / float32 tensors and FP8Experts; any other form (int4.Int4Experts: no 4-bit expert kernels
-    yet) takes moe_rowwise."""
+    stacked 16-bit / float32 tensors and FP8Experts, and int4_moe_triton.py's read int4.Int4Experts; any other
+    form takes moe_rowwise."""
     if isinstance(experts, FP8Experts):
         return None
+    if isinstance(experts, Int4Experts):
+        from .int4_moe_triton import unreadable as int4_unreadable
+
+        return int4_unreadable(experts)
     if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor) and experts.gate_up_proj.is_floating_point():
         return None
     return f"triton: no kernels for {type(experts).__name__} experts"
@@ -308,7 +316,12 @@ def moe_triton(block, x: torch.Tensor) -> torch.Tensor:
         y = moe_experts(h, F.linear(h, block.fused_weight), experts.gate_up_proj, experts.down_proj, k, norm,
                         shared.fused_weight, shared.down_proj.weight, *scales, *shared_scales)
         return y.view(x.shape)
-    y = moe_experts(h, F.linear(h, router.weight), experts.gate_up_proj, experts.down_proj, k, norm, None, None,
-                    *scales)
+    if isinstance(experts, Int4Experts):  # 4-bit: int4_moe_triton.py's kernels after the same routing kernel
+        from .int4_moe_triton import routed
+
+        y = routed(h, F.linear(h, router.weight), experts, k, norm)
+    else:
+        y = moe_experts(h, F.linear(h, router.weight), experts.gate_up_proj, experts.down_proj, k, norm, None,
+                        None, *scales)
     shared = dense_mlp(block.shared_expert, h) * torch.sigmoid(block.shared_expert_gate(h))
     return (y + shared).view(x.shape)

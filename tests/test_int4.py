@@ -246,7 +246,7 @@ def test_4_bit_experts_take_the_row_wise_path_with_the_reason(int4_engine):
 
     engine = int4_engine("q35_moe")
     block = moe_blocks(engine)[0]
-    assert unreadable(block.experts) == "triton: no kernels for Int4Experts experts"
+    assert unreadable(block.experts) is None  # int4_moe_triton.py's kernels read them (CUDA only: not here)
     with pytest.raises(ValueError, match="grouped_mm does not read 4-bit experts"):
         moe_grouped(block, torch.randn(1, 2, 64))
     assert engine.trunk.backends.moe == "rowwise"

@@ -23,6 +23,7 @@
 #   bash packaging/bench/h200.sh auto     # compiled-graph and quantized-kernel GPU tests; 27B shape --compile: auto
 #                                         # against fixed depths at the flat, realistic and changing profiles
 #   bash packaging/bench/h200.sh quant    # GPU tests; 27B shape Int4 --compile; FP8 and bf16 prefill of 8k prompt tokens
+#   bash packaging/bench/h200.sh moe4     # the 4-bit routed-expert kernels' GPU tests; 80B-A3B 12-layer slice in Int4
 #   bash packaging/bench/h200.sh gdn      # the GDN recurrent kernel's launch configurations per call (gdn_ops.py)
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
 set -uo pipefail
@@ -178,6 +179,15 @@ quant)  # issues #29 / #23 / #28 (about 8.5 minutes)
   for q in fp8 bf16; do  # the prefill path with no graphs, as prefill8k_bf16_h200.json measured it
     BENCH_TIMEOUT=100 bench --random-weights qwen3.5-27b --quant $q --prompt-tokens 8192 --depths 0 --max-new-tokens 8 \
           --repeat 1 --no-hf --no-graphs --out "$OUT/prefill8k_${q}_h200.json"
+  done
+  ;;
+moe4)  # issue #29 (about 4 minutes)
+  timeout 100 python3 -m pytest -v tests/test_int4_moe_triton.py -p no:cacheprovider 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|Error|passed|failed|No module" | tee "$OUT/int4_moe_gpu_tests.txt" | grep -v PASSED | tail -20
+  for moe in triton rowwise; do  # the fused 4-bit kernels, then each routed expert dequantized per call
+    MTPCHAT_MOE=$moe BENCH_TIMEOUT=110 bench --random-weights qwen3-next-80b-a3b --layers 12 --quant int4 --depths 0,3 \
+          --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
+          --out "$OUT/bench80b_a3b_12layers_int4_${moe}_h200.json"
   done
   ;;
 gdn)
