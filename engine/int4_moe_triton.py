@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from .int4_triton import block_k
-from .moe_triton import _configs, route, triton
+from .moe_triton import _configs, buffers, route, triton
 
 if triton is not None:
     import triton.language as tl
@@ -151,9 +151,7 @@ def launch(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: t
         raise ValueError(f"no 16..128 power-of-two K-block for 4-bit experts' group sizes {groups}")
     gate_up_group, down_group = (k if g == -1 else g for g, k in zip(groups, (H, I)))
     gp, dp = (p.contiguous() if p is not None else None for p in perms)
-    h, idx, weights = h.contiguous(), idx.contiguous(), weights.float().contiguous()
-    act = torch.empty(N * K, I, device=h.device, dtype=torch.float32)
-    out = torch.empty(N, H, device=h.device, dtype=h.dtype)
+    h, idx, weights, act, out = buffers(h, idx, weights, I)
     if N == 0:
         return out
     _gate_up_kernel[lambda meta: (N * K, triton.cdiv(I, meta["BLOCK_N"]))](

@@ -191,6 +191,15 @@ def route(logits: torch.Tensor, E: int, k: int, norm: bool, shared: bool = False
     return weights, idx
 
 
+def buffers(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, I: int) -> tuple[torch.Tensor, ...]:
+    """The two-kernel form's operands and buffers for rows h [N, H], ids / weights [N, k] and intermediate I:
+    h, idx, weights (float32) contiguous as the kernels index them, act [N * k, I] float32 (silu(gate) * up of
+    each pair, between the kernels) and out [N, H] in h's dtype."""
+    N, K = idx.shape
+    act = torch.empty(N * K, I, device=h.device, dtype=torch.float32)
+    out = torch.empty(N, h.shape[1], device=h.device, dtype=h.dtype)
+    return h.contiguous(), idx.contiguous(), weights.float().contiguous(), act, out
+
 def launch(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
            down: torch.Tensor, shared_gate_up: torch.Tensor | None = None,
            shared_down: torch.Tensor | None = None, scales: tuple | None = None) -> torch.Tensor:
@@ -223,9 +232,7 @@ def launch(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: t
     else:  # bf16 / float32 weights: any valid pointers (never read)
         gs = sgs = gate_up
         ds = sds = down
-    h, idx, weights = h.contiguous(), idx.contiguous(), weights.float().contiguous()
-    act = torch.empty(N * K, I, device=h.device, dtype=torch.float32)
-    out = torch.empty(N, H, device=h.device, dtype=h.dtype)
+    h, idx, weights, act, out = buffers(h, idx, weights, I)
     if N == 0:
         return out
     _gate_up_kernel[lambda meta: (N * K, triton.cdiv(I, meta["BLOCK_I"]))](

@@ -232,10 +232,17 @@ def test_fp8_expert_rows_do_not_depend_on_the_batch(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_fp8_expert_kernels_pass_the_self_check_and_a_wrong_one_falls_back(fp8_ckpt, monkeypatch):
+    path, _ = fp8_ckpt("q35_moe")
+    assert_the_kernels_are_chosen_and_a_wrong_one_falls_back(path, "grouped_mm: FP8 experts", monkeypatch)
+
+
+def assert_the_kernels_are_chosen_and_a_wrong_one_falls_back(path, grouped_reason: str, monkeypatch):
+    """model.moe_check installs the Triton experts kernels for the quantized MoE checkpoint at `path` in bf16
+    (after its self-check against moe_rowwise), speculation decodes through them inside CUDA graphs; a kernel that
+    computes wrongly leaves moe_rowwise, with the reasons in the diagnostics."""
     from engine import GenerationSettings, model
     from engine.events import Tokens
 
-    path, _ = fp8_ckpt("q35_moe")
     bf16 = load_engine(str(path), device="cuda", dtype="bfloat16")
     assert bf16.trunk.backends.moe == "triton", bf16.trunk.backends.choice.get("moe")
     prompt = bf16.encode_chat(PROMPTS[0])
@@ -244,7 +251,7 @@ def test_on_cuda_the_fp8_expert_kernels_pass_the_self_check_and_a_wrong_one_fall
     assert bf16.diagnostics()["compile"]["cuda_graphs"]["failure"] is None
     monkeypatch.setitem(model.MOE_PATHS, "triton", lambda block, x: 2 * moe_rowwise(block, x))
     path_name, why = model.moe_check(bf16.trunk)
-    assert path_name == "rowwise" and "triton self-check mismatch" in why and "grouped_mm: FP8 experts" in why
+    assert path_name == "rowwise" and "triton self-check mismatch" in why and grouped_reason in why
 
 
 # --- discovery sizes quantized MoE checkpoints as they load ----------------------------------------------------

@@ -13,7 +13,8 @@ from engine import int4
 from engine.model import moe_rowwise
 from int4_fixtures import gptq_config, pack_along_k, pack_along_n, quantize
 from test_int4 import int4_ckpt, sources  # noqa: F401 (fixtures: the 4-bit MoE checkpoints)
-from test_moe_triton import moe_block, rel_err, rows
+from test_fp8_moe import assert_the_kernels_are_chosen_and_a_wrong_one_falls_back
+from test_moe_triton import assert_captured_replays_follow_their_input, moe_block, rel_err, rows
 
 gpu = pytest.mark.gpu
 
@@ -126,22 +127,8 @@ def test_compiles_fullgraph(device):
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_cuda_graph_capture_and_replay(device):
-    from engine.moe_triton import moe_triton
-
-    block = int4_block(moe_shape(16, 4, 256, 128), 128, False, True, device, torch.bfloat16)
-    x = rows(block, 4)
-    with torch.inference_mode():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # autotune and compile the kernels before capture
-            moe_triton(block, x)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = moe_triton(block, x)
-        x.copy_(rows(block, 4, seed=2))
-        graph.replay()
-        torch.testing.assert_close(y, moe_triton(block, x))
+    assert_captured_replays_follow_their_input(int4_block(moe_shape(16, 4, 256, 128), 128, False, True, device,
+                                                          torch.bfloat16))
 
 
 def test_group_sizes_without_a_k_block_are_refused_with_the_reason():
@@ -156,20 +143,5 @@ def test_group_sizes_without_a_k_block_are_refused_with_the_reason():
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_engine_chooses_the_kernels_and_a_wrong_one_falls_back(int4_ckpt, monkeypatch):
-    """model.moe_check installs them for a 4-bit MoE checkpoint in bf16 (after its self-check against moe_rowwise),
-    speculation decodes through them inside CUDA graphs; a kernel that computes wrongly leaves moe_rowwise, with
-    the reason in the diagnostics."""
-    from engine import GenerationSettings, load_engine, model
-    from engine.events import Tokens
-    from test_exactness import PROMPTS
-
     path, _ = int4_ckpt("q35_moe_act")
-    bf16 = load_engine(str(path), device="cuda", dtype="bfloat16")
-    assert bf16.trunk.backends.moe == "triton", bf16.trunk.backends.choice.get("moe")
-    prompt = bf16.encode_chat(PROMPTS[0])
-    s = GenerationSettings(max_new_tokens=24, depth=3, ignore_eos=True)
-    assert sum(len(e.token_ids) for e in bf16.generate(prompt, s) if isinstance(e, Tokens)) == 24
-    assert bf16.diagnostics()["compile"]["cuda_graphs"]["failure"] is None
-    monkeypatch.setitem(model.MOE_PATHS, "triton", lambda block, x: 2 * moe_rowwise(block, x))
-    path_name, why = model.moe_check(bf16.trunk)
-    assert path_name == "rowwise" and "triton self-check mismatch" in why and "grouped_mm: 4-bit experts" in why
+    assert_the_kernels_are_chosen_and_a_wrong_one_falls_back(path, "grouped_mm: 4-bit experts", monkeypatch)

@@ -170,12 +170,17 @@ def test_compiles_fullgraph(device, inline):
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_cuda_graph_capture_and_replay(device):
-    block = moe_block(SMALL, torch.bfloat16, device)
+    assert_captured_replays_follow_their_input(moe_block(SMALL, torch.bfloat16, device))
+
+
+def assert_captured_replays_follow_their_input(block):
+    """moe_triton(block, x) captured in a CUDA graph (its kernels compiled and autotuned before), replayed on new
+    rows: the eager result for those rows."""
     x = rows(block, 4)
     with torch.inference_mode():
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # compile the kernels before capture
+        with torch.cuda.stream(stream):  # compile and autotune the kernels before capture
             moe_triton(block, x)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
