@@ -2,6 +2,9 @@
 are), the verify and prefill steps still compile with fullgraph=True through the custom ops, compute the same
 thing, and the in-place conv-cache mutation happens."""
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -52,7 +55,14 @@ def test_gdn_op_fake_matches_the_kernel_on_strided_inputs(chunked):
                                                   chunked, False), test_utils=("test_schema", "test_faketensor"))
 
 
-def test_verify_and_prefill_compile_fullgraph(engine):
+# inductor as well as aot_eager: the in-place writes the compiled steps make (the conv cache, the verify stash's
+# final states) are inductor's to schedule on the GPU; its C++ backend on the CPU schedules them the same way
+BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None, reason="inductor's CPU backend needs a C++ compiler"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verify_and_prefill_compile_fullgraph(engine, backend):
     trunk, caches = engine.trunk, engine.caches
     prompt = torch.tensor(engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}]))
 
@@ -70,7 +80,7 @@ def test_verify_and_prefill_compile_fullgraph(engine):
         eager_conv, eager_rec = caches.gdn.conv.clone(), caches.gdn.recurrent.clone()
         caches.reset()
         assert not caches.gdn.conv.any()
-        compiled_prefill = torch.compile(prefill_step, fullgraph=True, backend="aot_eager")
+        compiled_prefill = torch.compile(prefill_step, fullgraph=True, backend=backend)
         h = compiled_prefill(prompt[None], torch.tensor(0))
         torch.testing.assert_close(h, eager_h)
         # the conv cache was mutated in place by the compiled graph
@@ -83,7 +93,7 @@ def test_verify_and_prefill_compile_fullgraph(engine):
         eager = verify_step(tokens, pos)
         eager_final = caches.stash.final.clone()
         caches.stash.final.zero_()
-        compiled = torch.compile(verify_step, fullgraph=True, backend="aot_eager")
+        compiled = torch.compile(verify_step, fullgraph=True, backend=backend)
         torch.testing.assert_close(compiled(tokens, pos), eager)
         # each GDN layer's final state went into the stash, through the custom op
         torch.testing.assert_close(caches.stash.final, eager_final)
