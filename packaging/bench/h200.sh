@@ -25,19 +25,27 @@
 #   bash packaging/bench/h200.sh quant    # GPU tests; 27B shape Int4 --compile; FP8 and bf16 prefill of 8k prompt tokens
 #   bash packaging/bench/h200.sh moe4     # the 4-bit routed-expert kernels' GPU tests; 80B-A3B 12-layer slice in Int4
 #   bash packaging/bench/h200.sh gdn      # the GDN recurrent kernel's launch configurations per call (gdn_ops.py)
+# .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
+# the device's python3 has none of them.
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
 set -uo pipefail
-[ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+[ -d /tmp/site/fla ] && [ -d /tmp/site/_pytest ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bench() { timeout "${BENCH_TIMEOUT:-300}" python3 -m app.cli bench "$@" 2>&1 | tail -25; }
+# pytest under a time limit: SIGINT, so that it still prints its summary (SIGTERM left nothing); the whole log in
+# $OUT, its failures and summary here
+gpu_tests() {
+  local limit=$1 log=$2; shift 2
+  timeout -s INT "$limit" python3 -m pytest -p no:cacheprovider -rf "$@" > "$log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed|No module" "$log" | tail -20
+}
 case "${1:-speed}" in
 speed)  # about 6 minutes
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
   bench --random-weights qwen3.5-27b --compile --depths 0,1,3 --drafter oracle --acceptance 1.0,0 \
         --max-new-tokens 64 --repeat 2 --out "$OUT/bench27b_compile_h200.json"
-  timeout 230 python3 -m pytest -q -rA tests/test_gpu.py -p no:cacheprovider 2>&1 | grep -E "PASS|FAIL|Error|assert" \
-        | tee "$OUT/gpu_tests.txt"
+  gpu_tests 230 "$OUT/gpu_tests.log" tests/test_gpu.py
   ;;
 speed2)  # the MTP rows at a real shape (random weights: their acceptance is meaningless; the head's refresh and
   # draft times are what they measure), and the 80B-A3B slice
@@ -101,9 +109,8 @@ demo-compile)  # the demo model with --compile: speed, and what compiling costs 
         --out "$OUT/precision_demo_gpu_compile.json"
   ;;
 fp8)  # issue #23 (about 7 minutes)
-  timeout 200 python3 -m pytest -q -rA tests/test_fp8_triton.py tests/test_attention_triton.py tests/test_fp8.py \
-        -k "kernel or cuda or split_k or row or install" -p no:cacheprovider 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" \
-        | tee "$OUT/fp8_gpu_tests.txt"
+  gpu_tests 200 "$OUT/fp8_gpu_tests.log" tests/test_fp8_triton.py tests/test_attention_triton.py tests/test_fp8.py \
+        -k "kernel or cuda or split_k or row or install"
   timeout 150 python3 packaging/bench/fp8_ops.py --json "$OUT/fp8_ops27b_h200.json" 2>&1 | tail -60
   bench --random-weights qwen3.5-27b --quant fp8 --depths 0,3 --drafter oracle --acceptance 1.0 \
         --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_fp8_h200.json"
@@ -124,17 +131,15 @@ prefill)  # issue #22 items 5-6 (about 8 minutes; the 27B shape's 131072-token p
 kernels)  # issues #29 / #23 (about 9 minutes)
   timeout 200 python3 packaging/bench/quant_kernels.py --json "$OUT/quant_kernels_h200.json" 2>&1 \
         | grep -E "rows [0-9]+:" | tee "$OUT/quant_kernels.txt"
-  timeout 150 python3 -m pytest -q tests/test_int4.py tests/test_fp8_triton.py -p no:cacheprovider \
-        -k "kernel or cuda or alone or fp8_x_fp8 or quantizer or install or split_k" 2>&1 \
-        | grep -E "FAIL|Error|passed|failed" | tail -12 | tee "$OUT/kernel_gpu_tests.txt"
+  gpu_tests 150 "$OUT/kernel_gpu_tests.log" tests/test_int4.py tests/test_fp8_triton.py \
+        -k "kernel or cuda or alone or fp8_x_fp8 or quantizer or install or split_k"
   BENCH_TIMEOUT=170 bench --random-weights qwen3.5-27b --quant int4 --depths 0,3 --drafter oracle --acceptance 1.0 \
         --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_int4_h200.json"
   BENCH_TIMEOUT=150 bench --random-weights qwen3.5-27b --quant fp8 --depths 0,3 --drafter oracle --acceptance 1.0 \
         --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_fp8_h200.json"
   ;;
 int4)  # issue #29 (about 4 minutes)
-  timeout 120 python3 -m pytest -q -rA tests/test_int4.py -k "kernel or cuda" -p no:cacheprovider 2>&1 \
-        | grep -E "PASS|FAIL|Error|passed|failed" | tail -8 | tee "$OUT/int4_gpu_tests.txt"
+  gpu_tests 120 "$OUT/int4_gpu_tests.log" tests/test_int4.py -k "kernel or cuda"
   bench --random-weights qwen3.5-27b --quant int4 --depths 0,3 --drafter oracle --acceptance 1.0 \
         --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_int4_h200.json"
   bench --random-weights qwen3.5-27b --quant int4 --prompt-tokens 32768 --depths 0 --max-new-tokens 16 \
@@ -163,18 +168,17 @@ draft)  # issue #27 (draft models) and #23 (FP8 routed experts), about 6 minutes
   timeout 90 python3 packaging/bench/fp8_moe_ops.py 2>&1 | tee "$OUT/fp8_moe_ops_h200.txt"
   ;;
 auto)  # issue #28 (about 9 minutes): compiled-graph and quantized-kernel GPU tests, then the 27B shape
-  timeout 170 python3 -m pytest -v tests/test_gpu.py tests/test_int4.py tests/test_fp8_triton.py -p no:cacheprovider \
-        -k "compiled or certified or kernel or cuda or experts or split_k" 2>&1 \
-        | grep -E "PASSED|FAILED|ERROR|Error|passed|failed" | tee "$OUT/gpu_tests.txt" | grep -v PASSED | tail -20
+  gpu_tests 170 "$OUT/gpu_tests.log" tests/test_gpu.py tests/test_int4.py tests/test_fp8_triton.py \
+        -k "compiled or certified or kernel or cuda or experts or split_k"
   BENCH_TIMEOUT=360 bench --random-weights qwen3.5-27b --compile --depths 0,2,3,4,auto --drafter oracle \
         --acceptance 1.0,0.5,0 --acceptance-profile "0.92,0.84,0.65,0.54;changing" --max-new-tokens 128 --repeat 2 \
         --no-hf --out "$OUT/auto27b_h200.json"
   ;;
 quant)  # issues #29 / #23 / #28 (about 8.5 minutes)
-  timeout 120 python3 -m pytest -v tests/test_gpu.py tests/test_int4.py tests/test_fp8_triton.py -p no:cacheprovider \
-        -k "compiled or certified or kernel or cuda or experts or split_k" 2>&1 \
-        | grep -E "PASSED|FAILED|ERROR|Error|passed|failed|No module" | tee "$OUT/gpu_tests.txt" | grep -v PASSED | tail -20
-  BENCH_TIMEOUT=200 bench --random-weights qwen3.5-27b --quant int4 --compile --depths 0,3 --drafter oracle \
+  gpu_tests 120 "$OUT/gpu_tests.log" tests/test_gpu.py tests/test_int4.py tests/test_fp8_triton.py \
+        -k "compiled or certified or kernel or cuda or experts or split_k"
+  # (load 66 s and warm-up 95 s before the first row: 200 s was not enough)
+  BENCH_TIMEOUT=320 bench --random-weights qwen3.5-27b --quant int4 --compile --depths 0,3 --drafter oracle \
         --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_int4_compile_h200.json"
   for q in fp8 bf16; do  # the prefill path with no graphs, as prefill8k_bf16_h200.json measured it
     BENCH_TIMEOUT=100 bench --random-weights qwen3.5-27b --quant $q --prompt-tokens 8192 --depths 0 --max-new-tokens 8 \
@@ -182,8 +186,7 @@ quant)  # issues #29 / #23 / #28 (about 8.5 minutes)
   done
   ;;
 moe4)  # issue #29 (about 4 minutes)
-  timeout 100 python3 -m pytest -v tests/test_int4_moe_triton.py -p no:cacheprovider 2>&1 \
-        | grep -E "PASSED|FAILED|ERROR|Error|passed|failed|No module" | tee "$OUT/int4_moe_gpu_tests.txt" | grep -v PASSED | tail -20
+  gpu_tests 190 "$OUT/int4_moe_gpu_tests.log" tests/test_int4_moe_triton.py
   for moe in triton rowwise; do  # the fused 4-bit kernels, then each routed expert dequantized per call
     MTPCHAT_MOE=$moe BENCH_TIMEOUT=110 bench --random-weights qwen3-next-80b-a3b --layers 12 --quant int4 --depths 0,3 \
           --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
