@@ -1,13 +1,15 @@
 """`--depth auto` against fixed depths in expectation, and how far one bench run strays from it: the engine's
 DepthChooser (autodepth.py) driven by simulated cycles whose costs are the 27B shape's on the H200 (--compile,
 auto27b_v2_h200.json: ms per cycle, verify + draft + commit) and whose acceptance follows the bench's oracle
-profiles. `python3 packaging/bench/auto_sim.py` (CPU, seconds).
+profiles, drawn as the bench's OracleDrafter draws them: one seed for every row and repeat of a run, each draw
+keyed by (token index, position), so rows share their luck. A run here is one bench run; runs differ by seed.
+`python3 packaging/bench/auto_sim.py` (CPU, seconds).
 """
 import argparse
-import random
 import statistics
 
 from engine.autodepth import DepthChooser
+from engine.drafters import uniform
 
 COST_MS = {0: 14.86, 1: 16.2, 2: 16.4, 3: 16.35, 4: 16.8}  # (depth 1: not in that run; between 0 and 2)
 EASY, HARD = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.0]  # cmd_bench's 'changing' profile
@@ -20,15 +22,15 @@ PROFILES = {
 }
 
 
-def reply(profile, depth, n: int, rng: random.Random) -> float:
+def reply(profile, depth, n: int, seed: int) -> float:
     """Tokens per second of one n-token reply at `depth` (an int, or "auto")."""
     chooser = DepthChooser(4, mean_first=True)
     made, ms = 0, 0.0
     while made < n:
         k = chooser.pick() if depth == "auto" else depth
         flags = []
-        for p in profile(made, n)[:k]:  # each position conditional on the one before: a rejection ends the cycle
-            flags.append(rng.random() < p)
+        for i, p in enumerate(profile(made, n)[:k]):  # conditional on the position before: a miss ends the cycle
+            flags.append(uniform(seed, made + i, i) < p)  # (OracleDrafter.correct's key)
             if not flags[-1]:
                 break
         chooser.observe(k, flags, COST_MS[k])
@@ -37,8 +39,8 @@ def reply(profile, depth, n: int, rng: random.Random) -> float:
     return made / ms * 1e3
 
 
-def bench_row(profile, depth, n: int, repeat: int, rng) -> float:
-    return statistics.mean(reply(profile, depth, n, rng) for _ in range(repeat))
+def bench_row(profile, depth, n: int, repeat: int, seed: int) -> float:
+    return statistics.mean(reply(profile, depth, n, seed) for _ in range(repeat))
 
 
 def main():
@@ -47,16 +49,16 @@ def main():
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--runs", type=int, default=300)
     args = ap.parse_args()
-    rng = random.Random(0)
     for name, profile in PROFILES.items():
-        # in expectation (many replies): auto against the best fixed depth
-        expected = {d: bench_row(profile, d, args.tokens, 400, rng) for d in (0, 1, 2, 3, 4, "auto")}
+        # in expectation (many seeds): auto against the best fixed depth
+        expected = {d: statistics.mean(reply(profile, d, args.tokens, 10_000 + s) for s in range(400))
+                    for d in (0, 1, 2, 3, 4, "auto")}
         best = max(range(5), key=expected.get)
         ratios, ideal = [], []
-        for _ in range(args.runs):  # one bench run each: a row against the best fixed row of that run
-            fixed = max(bench_row(profile, d, args.tokens, args.repeat, rng) for d in range(5))
-            ratios.append(bench_row(profile, "auto", args.tokens, args.repeat, rng) / fixed)
-            ideal.append(bench_row(profile, best, args.tokens, args.repeat, rng) / fixed)
+        for seed in range(args.runs):  # one bench run each: a row against the best fixed row of that run
+            fixed = max(bench_row(profile, d, args.tokens, args.repeat, seed) for d in range(5))
+            ratios.append(bench_row(profile, "auto", args.tokens, args.repeat, seed) / fixed)
+            ideal.append(bench_row(profile, best, args.tokens, args.repeat, seed) / fixed)
         ratios.sort()
         tenth, ninetieth = ratios[len(ratios) // 10], ratios[len(ratios) * 9 // 10]
         print(f"{name:>20}: expected auto / best (depth {best}) {expected['auto'] / expected[best]:.3f}; one run's "
