@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from .int4_triton import block_k
+from .int4_triton import block_k, blockable
 from .moe_triton import _configs, buffers, route, triton
 
 if triton is not None:
@@ -48,8 +48,7 @@ DOWN_CONFIGS = [(32, 4), (16, 4), (64, 4), (16, 2), (8, 2), (128, 8)]
 
 def unreadable(experts) -> str | None:
     """Why the kernels cannot read these 4-bit experts (moe_triton.unreadable's answer for them), or None."""
-    sizes = zip(experts.group_sizes, (experts.hidden_dim, experts.intermediate_dim))
-    if any(block_k(g, k) is None for g, k in sizes):
+    if not blockable(zip(experts.group_sizes, (experts.hidden_dim, experts.intermediate_dim))):
         return f"triton: 4-bit experts' group sizes {experts.group_sizes} have no 16..128 power-of-two K-block"
     return None
 

@@ -55,6 +55,11 @@ def block_k(group_size: int, k: int) -> int | None:
     return None
 
 
+def blockable(groups) -> bool:
+    """Whether every weight of `groups`, (group size, K) pairs, has a K-block (block_k) for the kernels."""
+    return all(block_k(g, k) is not None for g, k in groups)
+
+
 def usable(device: torch.device, dtype: torch.dtype, groups=()) -> str | None:
     """Why the kernels cannot serve 4-bit weights here, or None; groups: (group size, K) of each weight."""
     from .splitk import INTERPRET
@@ -65,7 +70,7 @@ def usable(device: torch.device, dtype: torch.dtype, groups=()) -> str | None:
         return "CUDA only"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"16-bit activations only ({str(dtype).replace('torch.', '')}: dequantize, then matmul)"
-    if any(block_k(g, k) is None for g, k in groups):
+    if not blockable(groups):
         return "a group size without a 16..128 power-of-two K-block"
     return None
 

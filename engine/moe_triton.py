@@ -200,6 +200,7 @@ def buffers(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, I: int) -
     out = torch.empty(N, h.shape[1], device=h.device, dtype=h.dtype)
     return h.contiguous(), idx.contiguous(), weights.float().contiguous(), act, out
 
+
 def launch(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
            down: torch.Tensor, shared_gate_up: torch.Tensor | None = None,
            shared_down: torch.Tensor | None = None, scales: tuple | None = None) -> torch.Tensor:
