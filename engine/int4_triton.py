@@ -3,13 +3,18 @@ along K, zeros uint8 [G, N], scales [G, N]) dequantized in registers.
 
 Up to MAX_ROWS rows (decode, verify, graph prefills) one kernel streams the packed weight: each program owns
 BLOCK_N output columns and a slice of K's blocks (BLOCK_K rows inside one group, so one zero / scale row serves a
-block) and runs tensor-core dots against 16 / 64 / 128 padded rows. Two forms of the unpacking compete:
-  - dot: the [BLOCK_K, BLOCK_N] tile unpacked, (q - zero) * scale in float32 (two conversion instructions per
-    weight) rounded to the activation's dtype, reshaped into one dot's layout. On the H200 it streamed 0.74-1.0
-    TB/s of packed bytes at one row (packaging/bench/quant_kernels.py), against 3.3 for the FP8 row kernel, and
-    CUDA-core forms (float32 magic-number unpacking, one row or 4) were slower still: measured, then deleted;
-  - dot8: no conversion instruction and no reshape (_w4a16_dot8), for groups of 128 (and -1): 0.242 ms over the
-    27B shape's seven projections at one row, against dot's 0.298 and bf16 cuBLAS's 0.259; 1.2 TB/s.
+block). Three forms compete:
+  - row (decoding's one row): CUDA cores, float32 throughout (_w4a16_row). On the H200 0.154 ms over the 27B
+    shape's seven projections, 1.36-1.9 TB/s of packed bytes, against dot8's 0.242 and bf16 cuBLAS's 0.257
+    (packaging/bench/quant_kernels.py). A thread's share of the tile decides it: 16 words a thread ran at 0.9
+    TB/s with one K slice per 8 blocks and 1.4-1.9 with one per 4; 64 words a thread ran ten times slower
+    (register spills, presumably: not profiled);
+  - dot8 (verify widths and up): tensor cores without conversion instructions or a reshape (_w4a16_dot8), for
+    groups of 128 (and -1): 1.0-1.25 TB/s at one to four rows. Its unpacked tile reaches the tensor cores
+    through shared memory, 16 bytes of 16-bit weight for every 4-byte word: that round trip bounds it;
+  - dot: the [BLOCK_K, BLOCK_N] tile unpacked, (q - zero) * scale in float32 rounded to the activation's dtype,
+    reshaped into one dot's layout (any group size): 0.74-1.0 TB/s, the default every other form is checked
+    against.
 K slices' float32 partials are summed in slice order by the last slice to finish (splitk.store_tile). The
 kernel and configuration are timed per (N, K, group, width bucket) at load inside CUDA graphs, as fp8_triton
 does, among the choices whose output agrees with the dot form's default. Wider inputs (long prefills) dequantize
@@ -37,11 +42,11 @@ MAX_ROWS = 256  # widths up to this run the W4A16 kernel; wider ones dequantize,
 SELF_CHECK_TOL = 2e-2
 ALL = 1 << 20  # "K blocks per program": all of them (no split: the output is written once, in its dtype)
 # (BLOCK_N, K blocks per program, warps, stages) per kernel; the first "dot" one is the untimed default
-CONFIGS = {
-    "dot": [(64, 8, 4, 3), (128, 8, 4, 3), (128, 4, 4, 3), (64, 4, 4, 4), (128, 16, 8, 3), (256, 8, 8, 3),
-            (64, ALL, 4, 3), (32, 8, 4, 4)],
-    "dot8": [(64, 8, 4, 3), (128, 8, 4, 3), (128, 4, 4, 3), (64, 4, 4, 4), (256, 8, 8, 3), (128, 16, 8, 3),
-             (64, ALL, 4, 3), (32, 8, 4, 4)],
+CONFIGS = {  # (pruned to the configurations that won some shape and width on the H200: quant_kernels_h200.json)
+    "dot": [(64, 8, 4, 3), (128, 4, 4, 3), (128, 8, 4, 3), (128, 16, 8, 3), (64, ALL, 4, 3)],
+    "dot8": [(64, 8, 4, 3), (128, 8, 4, 3), (128, 4, 4, 3), (128, 16, 8, 3)],
+    # (a thread's share of the tile: BLOCK_N * 16 words / (32 * warps): 64 words ran ten times slower than 16)
+    "row": [(64, 4, 2, 3), (64, 8, 4, 3), (64, 2, 2, 3), (32, 4, 1, 3), (64, 4, 4, 3), (64, 2, 4, 3)],
 }
 _chosen: dict[tuple, tuple] = {}  # (N, K, group, bucket, device index) -> the timed (kernel, configuration)
 
@@ -142,6 +147,50 @@ if triton is not None:
                    pn + pm * tl.num_programs(0))
 
     @triton.jit
+    def _w4a16_row(X, QW, Z, S, Y, P, LOCKS, N, K, GROUP, stride_q, stride_z, stride_s, KS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+        """The CUDA-core form for decoding's one row: no tensor cores, so no shared-memory round trip of the
+        unpacked tile (the dot forms' bound: 16 bytes of 16-bit weight a packed word through shared memory).
+        Each nibble costs a shift, one LOP3 and one FMA: moved to bits 16-19 and OR-ed under the exponent of
+        128.0 it is the float 128 + q exactly, so x * (128 + q) are exact float32 products; a block's
+        (128 + zero) * sum(x) is subtracted before its scale multiplies, and the columns are summed once, after
+        the last block: sum(x * (q - zero) * scale) in float32 (the weight is never rounded to 16 bits). EVEN:
+        whole blocks and tiles (every real shape), so no masks and 32-bit offsets."""
+        pn, pk = tl.program_id(0), tl.program_id(1)
+        n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        i = tl.arange(0, BLOCK_K // 8)
+        n_ok = n < N
+        acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        for b in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
+            k0 = b * BLOCK_K
+            if EVEN:
+                packed = tl.load(QW + (k0 // 8 + i)[:, None] * stride_q + n[None, :])
+                g = k0 // GROUP
+                z = tl.load(Z + g * stride_z + n).to(tl.float32)
+                s = tl.load(S + g * stride_s + n).to(tl.float32)
+            else:
+                packed, z, s = _packed_block(QW, Z, S, k0, n, n_ok, K, GROUP, stride_q, stride_z, stride_s,
+                                             BLOCK_K)
+            t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+            xsum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+            for j in tl.static_range(8):
+                ks = k0 + i * 8 + j
+                if EVEN:
+                    x = tl.load(X + ks).to(tl.float32)
+                else:
+                    x = tl.load(X + ks, mask=ks < K, other=0.0).to(tl.float32)
+                if j < 4:
+                    moved = packed << (16 - 4 * j)
+                else:
+                    moved = packed >> (4 * j - 16)
+                q = ((moved & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)  # 128 + nibble j
+                t += q * x[:, None]
+                xsum += x
+            acc += (t - xsum[:, None] * (z + 128.0)[None, :]) * s[None, :]
+        total = tl.sum(acc, 0)[None, :]
+        store_tile(Y, P, LOCKS, total, tl.arange(0, 1)[:, None], n[None, :], n_ok[None, :], 1, N, pn)
+
+    @triton.jit
     def _dequantize(QW, Z, S, W, N, K, GROUP, stride_q, stride_z, stride_s,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """The weight [N, K] (F.linear's layout, sorted rows' order) in W's dtype, as _w4a16 rounds it."""
@@ -157,18 +206,29 @@ if triton is not None:
 
 
 def _launch(x2: torch.Tensor, qweight, zeros, scales, group: int, choice) -> torch.Tensor:
-    """One (kernel, configuration): "dot" or "dot8" (tensor cores, any width, 16 rows and more per dot)."""
+    """One (kernel, configuration): "dot" or "dot8" (tensor cores, any width, 16 rows and more per dot), or
+    "row" (CUDA cores, one row)."""
     kind, (block_n, ks, warps, stages) = choice
     M, K = x2.shape
     N = qweight.shape[1]
     bk = block_k(group, K)
     blocks = triton.cdiv(K, bk)
     slices = triton.cdiv(blocks, min(ks, blocks))
-    block_m = 16 if M <= 16 else bucket(M)
-    out, part, locks = output(M, N, slices, triton.cdiv(N, block_n) * triton.cdiv(M, block_m), x2)
+    block_m = 1 if kind == "row" else 16 if M <= 16 else bucket(M)
+    row_blocks = triton.cdiv(M, block_m)
+    out, part, locks = output(M, N, slices, triton.cdiv(N, block_n) * row_blocks, x2)
     args = (x2, qweight, zeros, scales, out, part, locks, M, N, K, K if group == -1 else group, x2.stride(0),
             qweight.stride(0), zeros.stride(0), scales.stride(0))
-    if kind == "dot8":  # (its dots' K is BLOCK_K / 8: tensor cores need 16)
+    if kind == "row":
+        if M != 1:
+            raise ValueError(f"the row form serves one row, not {M}")
+        even = N % block_n == 0 and K % bk == 0 and qweight.shape[0] * qweight.stride(0) < 2**31
+        _w4a16_row[(triton.cdiv(N, block_n), slices)](x2, qweight, zeros, scales, out, part, locks, N, K,
+                                                      K if group == -1 else group, qweight.stride(0),
+                                                      zeros.stride(0), scales.stride(0), KS=min(ks, blocks),
+                                                      BLOCK_N=block_n, BLOCK_K=bk, EVEN=even, num_warps=warps,
+                                                      num_stages=stages)
+    elif kind == "dot8":  # (its dots' K is BLOCK_K / 8: tensor cores need 16)
         if bk < 128:
             raise ValueError(f"dot8 needs 128-row K-blocks, not {bk}")
         magic, base = (0x6400, 1024.0) if x2.dtype == torch.float16 else (0x4300, 128.0)
@@ -217,7 +277,8 @@ def tune(lin, rows: int) -> tuple:
             except Exception:  # (too much shared memory for this GPU, say: fastest() would skip it too)
                 return False
 
-        kinds = [k for k in CONFIGS if k != "dot8" or block_k(lin.group_size, K) == 128]
+        kinds = [k for k in CONFIGS if (k != "dot8" or block_k(lin.group_size, K) == 128)
+                 and (k != "row" or rows == 1)]
         good = [(k, c) for k in kinds for c in CONFIGS[k] if agrees((k, c))] or [("dot", CONFIGS["dot"][0])]
         _chosen[key] = fastest(good, run)
     return _chosen[key]

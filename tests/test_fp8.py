@@ -38,7 +38,7 @@ def fp8_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp8_engine(fp8_ckpt):
-    return memo(lambda name: load_engine(str(fp8_ckpt(name)[0])))
+    return memo(lambda name: load_engine(str(fp8_ckpt(name)[0]), device="cpu"))
 
 
 def test_dequantize_is_blockwise_with_partial_edge_blocks():

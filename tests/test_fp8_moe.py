@@ -41,7 +41,7 @@ def fp8_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp8_engine(fp8_ckpt):
-    return memo(lambda name: load_engine(str(fp8_ckpt(name)[0])))
+    return memo(lambda name: load_engine(str(fp8_ckpt(name)[0]), device="cpu"))
 
 
 def moe_blocks(engine):
@@ -60,7 +60,7 @@ def test_a_long_prefill_through_the_fp8_experts_equals_the_twin(name, fp8_ckpt, 
     """Chunks wider than MOE_ROWWISE_MAX_TOKENS run the block's own forward, so FP8Experts.forward: it computes
     what transformers' experts loop computes on the dequantized weights, bit for bit, and the engine decodes
     what it decodes from the twin."""
-    assert_experts_forward_equals_the_twin(fp8_engine(name), load_engine(str(fp8_ckpt(name)[1])), fp8.FP8Experts)
+    assert_experts_forward_equals_the_twin(fp8_engine(name), load_engine(str(fp8_ckpt(name)[1]), device="cpu"), fp8.FP8Experts)
 
 
 def assert_experts_forward_equals_the_twin(engine, twin, kind) -> None:

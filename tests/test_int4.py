@@ -76,7 +76,7 @@ def int4_ckpt(tmp_path_factory, sources):
 
 @pytest.fixture(scope="module")
 def int4_engine(int4_ckpt):
-    return memo(lambda name: load_engine(str(int4_ckpt(name)[0])))
+    return memo(lambda name: load_engine(str(int4_ckpt(name)[0]), device="cpu"))
 
 
 # --- the layouts -------------------------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ def test_the_experts_dequantizing_kernel_equals_the_float32_path(triton_device):
 def test_a_long_prefill_through_the_4_bit_experts_equals_the_twin(int4_ckpt, int4_engine):
     """Chunks wider than MOE_ROWWISE_MAX_TOKENS run the block's own forward, so Int4Experts.forward: what
     transformers' experts loop computes on the dequantized weights, bit for bit."""
-    assert_experts_forward_equals_the_twin(int4_engine("q35_moe_act"), load_engine(str(int4_ckpt("q35_moe_act")[1])),
+    assert_experts_forward_equals_the_twin(int4_engine("q35_moe_act"), load_engine(str(int4_ckpt("q35_moe_act")[1]), device="cpu"),
                                            int4.Int4Experts)
 
 
@@ -283,7 +283,7 @@ def test_discovery_sizes_4_bit_experts_as_packed(int4_ckpt):
              "n.mlp.experts.0.up_proj.qweight": ("I32", (8, 32))}
     assert dequantized_at_load(mixed) == (8 * 32 * 4 + 2 * 32 * 2, 8 * 32 * 8)
     assert q.params == inspect_model(twin).params
-    loaded = load(str(path))
+    loaded = load(str(path), "cpu")
     truth = loaded_bytes(loaded) + not_loaded_bytes(path)
     _, mem = estimate_memory(q, BIG_CPU)
     weights = (mem - 256 * 2 ** 20) / 1.10  # discovery's CPU margin taken off
@@ -470,7 +470,8 @@ def test_w4a16_kernel_equals_the_dequantized_reference(triton_device, k, n, grou
         # rows do not depend on each other: under one configuration (each width bucket has its own, timed at
         # load) the first row alone rounds as it does in the batch, split into K slices or not
         xs = x[0] if lin.perm is None else x[0].index_select(1, lin.perm)
-        kinds = ("dot", "dot8") if int4_triton.block_k(group_size, k) == 128 else ("dot",)  # (dot8: 128-row blocks)
+        kinds = ["dot"] + ["dot8"] * (int4_triton.block_k(group_size, k) == 128)  # (dot8: 128-row blocks)
+        kinds += ["row"] * (rows == 1)
         choices = [(kind, c) for kind in kinds
                    for c in (int4_triton.CONFIGS[kind][0], (32, 1, 4, 2), (64, int4_triton.ALL, 4, 2))]
         for choice in choices:
