@@ -278,6 +278,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="CUDA: torch.compile each layer kind inside the CUDA graphs (faster steps; the first reply "
                         "at each new depth waits for compilation). Also MTPCHAT_COMPILE=1")
+    p.add_argument("--embed-on-host", choices=["auto", "on", "off"],
+                   help="CUDA: keep the input embedding table (2.5 GB for 27B) in page-locked host memory, read over "
+                        "PCIe for the step's few tokens, not in GPU memory; auto (the default): for quantized "
+                        "checkpoints and models over 60 percent of the GPU. Also MTPCHAT_EMBED_ON_HOST")
     p.add_argument("--mtp-from", metavar="PATH",
                    help="take the MTP head (mtp.* tensors, bf16, FP8 or 4-bit) from another release of the same model, "
                         "for a checkpoint shipped without one; shapes must match. Also MTPCHAT_MTP_FROM")
@@ -473,6 +477,8 @@ def _main(argv: list[str] | None) -> int:
         os.environ["MTPCHAT_COMPILE"] = "1"
     if getattr(args, "mtp_from", None):  # read where engines are built, as MTPCHAT_COMPILE
         os.environ["MTPCHAT_MTP_FROM"] = args.mtp_from
+    if getattr(args, "embed_on_host", None):  # (load_engine and model.load read it: a draft model's load too)
+        os.environ["MTPCHAT_EMBED_ON_HOST"] = args.embed_on_host
     if args.command in (None, "chat"):  # the chat's engine thread: load_engine reads them (--draft-model)
         for flag, var in (("draft_model", "MTPCHAT_DRAFT_MODEL"), ("drafter", "MTPCHAT_DRAFTER")):
             if getattr(args, flag, None):

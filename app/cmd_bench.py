@@ -185,6 +185,17 @@ def peak_memory(dev, before: int) -> dict:
     return {"peak_memory_bytes": peak, "peak_memory_of": "process max rss", "peak_rss_growth_bytes": peak - before}
 
 
+def loaded_memory(dev) -> dict:
+    """Right after the load, before any prompt: what the model holds (on CUDA torch's allocated bytes: the weights,
+    which the rows' peak_memory_bytes add their caches and activations to); on the CPU the process's peak RSS so far,
+    the measure the rows' peaks use there."""
+    import torch
+
+    if dev.type == "cuda":
+        return {"loaded_memory_bytes": torch.cuda.memory_allocated(dev), "loaded_memory_of": "cuda allocated"}
+    return {"loaded_memory_bytes": _max_rss_bytes(), "loaded_memory_of": "process max rss"}
+
+
 def _max_rss_bytes() -> int:
     import resource
 
@@ -537,7 +548,7 @@ def load_to_ready(args, group=None) -> tuple[Engine, dict]:
     warms up (each runs the same steps: their collectives match)."""
     t0 = time.perf_counter()
     engine = _engine(args, group)
-    ready = {"load_s": time.perf_counter() - t0, "warm_up_s": None}
+    ready = {"load_s": time.perf_counter() - t0, "warm_up_s": None, **loaded_memory(engine.trunk.device)}
     if engine.trunk.device.type == "cuda":
         ready["warm_up_s"] = engine.warm_up(depths=[0, *spec_depths(args.depths, expand=True)])["seconds"]
     return engine, ready

@@ -18,6 +18,7 @@ from .context import Fitted, check_max_context, context_info, context_limit, fit
 from .drafters import MTPDrafter
 from .errors import EngineError
 from .events import FORCED, TARGET, Fallback, Finished, Started, Tokens
+from .host_embedding import check_mode
 from .autodepth import AutoDrafter, DepthChooser, drafter_cycles
 from .limits import AUTO, AUTO_MAX_DEPTH, MAX_DEPTH, MAX_NEW_TOKENS, SEED_MAX, SEED_MIN
 from .model import TRITON_MIN_CAPACITY, Loaded, load
@@ -614,26 +615,31 @@ def load_tokenizer(root: Path):
 def load_engine(path: str | None = None, device: str | None = None, dtype: str | None = None,
                 cuda_graphs: bool | None = None, tp=None, compile: bool | None = None,
                 max_context: int | None = None, draft_model: str | None = None,
-                drafter: str | None = None, mtp_from: str | None = None) -> Engine:
+                drafter: str | None = None, mtp_from: str | None = None,
+                embed_on_host: str | None = None) -> Engine:
     """Load `path`, or the best model discovered; out of memory at load moves on to the next candidate.
     tp: a tp.TPGroup: this process is one rank of a tensor-parallel group and loads only its shard.
     max_context: cap the context (and so the KV cache's memory) at this many tokens.
     draft_model: a separate draft model's folder (default: MTPCHAT_DRAFT_MODEL, which `mtpchat chat
     --draft-model` sets for the chat's engine thread); drafter: "mtp" | "draft" (Engine.attach_draft).
     mtp_from: another release of the model whose mtp.* tensors make the MTP head (default: MTPCHAT_MTP_FROM,
-    which `--mtp-from` sets; model.load)."""
+    which `--mtp-from` sets; model.load).
+    embed_on_host: auto | on | off, the input embedding table in page-locked host memory (default:
+    MTPCHAT_EMBED_ON_HOST, which `--embed-on-host` sets, else auto; host_embedding.py)."""
     check_max_context(max_context)  # before the (slow) load
+    embed_on_host = check_mode(embed_on_host, "embed_on_host")
     draft_model = draft_model or os.environ.get("MTPCHAT_DRAFT_MODEL") or None
     drafter = drafter or os.environ.get("MTPCHAT_DRAFTER") or None
     mtp_from = mtp_from or os.environ.get("MTPCHAT_MTP_FROM") or None
     if path is not None:
-        return _with_draft(_load_engine(path, device, dtype, cuda_graphs, tp, compile, max_context, mtp_from),
-                           draft_model, drafter)
+        return _with_draft(_load_engine(path, device, dtype, cuda_graphs, tp, compile, max_context, mtp_from,
+                                        embed_on_host), draft_model, drafter)
     notes, tried = [], set()
     while True:
         candidate = default_model_path(exclude=tried)
         try:
-            engine = _load_engine(candidate, device, dtype, cuda_graphs, tp, compile, max_context, mtp_from)
+            engine = _load_engine(candidate, device, dtype, cuda_graphs, tp, compile, max_context, mtp_from,
+                                  embed_on_host)
         except (torch.OutOfMemoryError, EngineError) as e:  # the next candidate, with the reason on record
             tried.add(candidate)
             if torch.cuda.is_available():
@@ -656,8 +662,9 @@ def _with_draft(engine: Engine, draft_model: str | None, drafter: str | None) ->
     return engine
 
 
-def _load_engine(path, device, dtype, cuda_graphs, tp, compile=None, max_context=None, mtp_from=None) -> Engine:
-    loaded = load(path, device, dtype, tp=tp, mtp_from=mtp_from)
+def _load_engine(path, device, dtype, cuda_graphs, tp, compile=None, max_context=None, mtp_from=None,
+                 embed_on_host=None) -> Engine:
+    loaded = load(path, device, dtype, tp=tp, mtp_from=mtp_from, embed_on_host=embed_on_host)
     root = Path(loaded.path)
     tok = load_tokenizer(root)
     return Engine(loaded, tok, stop_ids_for(root, tok, loaded.raw_config), cuda_graphs, compile, max_context)

@@ -76,6 +76,9 @@ class Candidate:
     # module: dequantized_at_load): their bytes on disk, weights
     dequantized_disk_bytes: int = 0
     dequantized_params: int = 0
+    # the input embedding table's weights where the lm_head has its own (0 when tied): what --embed-on-host's
+    # auto keeps off the GPU (host_embedding.py), so off the estimate
+    embedding_params: int = 0
     has_tokenizer: bool = False
     mtp_layers_declared: int | None = None  # what config.json says, if anything
     notes: list[str] = field(default_factory=list)
@@ -188,6 +191,7 @@ def inspect_model(path: str | os.PathLike, source: str = "folder", name: str | N
             cand.quantization = "fp8"
         cand.mtp_layers = count_mtp_layers(tensors, cand)
         cand.dequantized_disk_bytes, cand.dequantized_params = dequantized_at_load(tensors)
+        cand.embedding_params = untied_embedding_params(tensors, fam) if fam is not None else 0
     else:
         cand.dtype = _config_dtype(cfg)
     cand.context = context_info(text_part(cfg), cand.mtp_layers)
@@ -317,9 +321,20 @@ def dequantized_at_load(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> tupl
     return disk, weights
 
 
+def untied_embedding_params(tensors: dict, fam) -> int:
+    """The input embedding table's weights when the checkpoint has an lm_head of its own, else 0 (tied: the table
+    is the lm_head's and stays on the GPU)."""
+    keys = {fam.trunk_key(k): shape for k, (_, shape) in tensors.items()}
+    table = keys.get("model.embed_tokens.weight")
+    return _numel(table) if table is not None and any((k or "").startswith("lm_head.") for k in keys) else 0
+
+
 def estimate_memory(cand: Candidate, device: DeviceInfo) -> tuple[str | None, int | None]:
     """(run dtype, bytes) to run `cand` on `device`: weights in the run dtype (quantized ones as stored, but those
-    load dequantizes at the run dtype) plus a margin for activations, caches and the runtime."""
+    load dequantizes at the run dtype), less an embedding table auto keeps in host memory, plus a margin for
+    activations, caches and the runtime."""
+    from .host_embedding import check_mode, resolve
+
     dtype = run_dtype(device, cand.dtype)
     if cand.quantization and cand.disk_bytes:
         weights = (cand.disk_bytes - cand.dequantized_disk_bytes
@@ -328,6 +343,14 @@ def estimate_memory(cand: Candidate, device: DeviceInfo) -> tuple[str | None, in
         weights = cand.params * _DTYPE_BYTES.get(dtype, 4)
     else:
         return dtype, None
+    try:
+        mode = check_mode(None)
+    except EngineError:  # (load_engine says so; an estimate never raises)
+        mode = "auto"
+    # (one GPU: under tensor parallelism the table stays on the GPUs, which this estimate then undercounts)
+    if cand.embedding_params and resolve(mode, device.kind, False, bool(cand.quantization), False, weights,
+                                         device.total_bytes).host:
+        weights -= cand.embedding_params * _DTYPE_BYTES.get(dtype, 4)
     margin = int(weights * MARGIN_FRACTION) + MARGIN_BYTES.get(device.kind, MARGIN_BYTES["cpu"])
     return dtype, weights + margin
 

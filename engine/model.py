@@ -573,15 +573,19 @@ def default_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
     return torch.device(device), table[dtype], fallbacks
 
 
-def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp_from=None) -> Loaded:
+def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp_from=None,
+         embed_on_host: str | None = None) -> Loaded:
     """tp: a tp.TPGroup: load only this rank's shard (see tp.py); None: the whole model on one device.
     mtp_from: another release of the same model whose mtp.* tensors make the MTP head (mtp_from.py); a head that
-    does not fit this model is then refused (EngineError), not a fallback."""
-    from . import fp8, int4
+    does not fit this model is then refused (EngineError), not a fallback.
+    embed_on_host: auto | on | off: the input embedding table in page-locked host memory (host_embedding.py;
+    None: MTPCHAT_EMBED_ON_HOST, else auto, so a draft model follows `--embed-on-host` too)."""
+    from . import fp8, host_embedding, int4
     from .checkpoint import (fp8_checkpoint, fp8_without_fp8_weights, int4_scheme, int4_without_int4_weights,
                              unsupported_quantization)
     from .mtp import MTPHead, MTPUnusable
 
+    embed_on_host = host_embedding.check_mode(embed_on_host, "embed_on_host")
     root = model_dir(path)
     if tp is not None:
         device = str(tp.device)
@@ -616,7 +620,10 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp
         plan.adapt(lm)  # lm_head: this rank's vocab rows
     expected = lm.state_dict()
     names = [k for k in files.keys() if family.trunk_key(k) is not None]
-    tensors = files.load(names, device="cpu" if dev.type == "cpu" else str(dev))
+    placement, host_key = host_embedding.plan(embed_on_host, dev, files, names, family, tp is not None)
+    tensors = files.load([k for k in names if k != host_key], device="cpu" if dev.type == "cpu" else str(dev))
+    if host_key is not None:  # a table bound for the host never passes through the GPU
+        tensors.update(files.load([host_key], device="cpu"))
     sd = {family.trunk_key(k): v for k, v in tensors.items()}
     origin = {family.trunk_key(k): files.file_of[k] for k in names}
     if files.fp8:  # FP8 linears become fp8.FP8Linear (on the meta device still), the rest is dequantized
@@ -639,7 +646,9 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp
     # Non-persistent buffers (rotary frequencies) are not in the checkpoint: build them for real. The family's
     # own rotary module stays for transformers' generate() (the bench baseline); the engine uses its own.
     lm.model.rotary_emb = type(lm.model.rotary_emb)(config=cfg)
-    lm.to(dev).eval()
+    embedding, refused = host_embedding.settle(placement, lm.model.embed_tokens, dev, embed_on_host)
+    fallbacks += [refused] if refused else []
+    lm.to(dev).eval()  # (a table on the host is a CUDA view already: it stays)
     rotary = Rotary(cfg, dev)
     kinds = list(cfg.layer_types)
     unknown = [k for k in kinds if k not in LAYER_KINDS]
@@ -647,6 +656,8 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp
         raise EngineError(f"{where}: unknown layer type {unknown[0]!r}")
     slots = layer_slots(kinds)
     backends = select_backends(dev)
+    if embedding is not None:
+        backends.choice["embedding"] = embedding
     for op, (name, why) in backends.choice.items():
         if name == "torch" and op.startswith("gdn") and dev.type == "cuda":
             fallbacks.append(Fallback("fla", f"{op}: {why}"))

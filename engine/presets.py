@@ -205,11 +205,15 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
     if not layerwise:  # (_build_layerwise quantized each layer as it built it)
         for module in (lm, *heads):
             _quantize(module, quant)
+    embedding, refused = _place_embedding(lm, dev, bool(kw.get("tie_word_embeddings")), quant, group)
+    fallbacks += [refused] if refused else []
     kinds = list(lcfg.layer_types)
     if group is not None:
         group.vocab_size = cfg.vocab_size
     trunk = Trunk(family, lcfg, lm, Rotary(lcfg, dev), dev, dt, select_backends(dev), kinds, layer_slots(kinds),
                   group=group)
+    if embedding is not None:
+        trunk.backends.choice["embedding"] = embedding
     if group is not None:
         group.plan = plan
     for h in heads:
@@ -220,6 +224,21 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
     params = sum(p.numel() for p in lm.parameters())
     return Loaded(f"random:{preset}", f"random:{preset}", kw, trunk, head, len(heads),
                   params, fallbacks)
+
+
+def _place_embedding(lm, dev: torch.device, tied: bool, quant: str, group):
+    """--embed-on-host for a random model, as model.load decides it for a checkpoint (host_embedding.py): the
+    bench's memory rows then measure what a user's load would hold."""
+    from . import host_embedding
+    from .int4 import packed_bytes
+
+    if dev.type != "cuda":
+        return None, None
+    mode = host_embedding.check_mode(None)
+    weights = sum(p.numel() * p.element_size() for p in lm.parameters()) + packed_bytes(lm)
+    placement = host_embedding.resolve(mode, "cuda", tied, quant != "bf16", group is not None, weights,
+                                       torch.cuda.get_device_properties(dev).total_memory)
+    return host_embedding.settle(placement, lm.model.embed_tokens, dev, mode)
 
 
 def random_draft(spec: str, target, layers: int | None = None):

@@ -24,6 +24,7 @@
 #                                         # against fixed depths at the flat, realistic and changing profiles
 #   bash packaging/bench/h200.sh quant    # GPU tests; 27B shape Int4 --compile; FP8 and bf16 prefill of 8k prompt tokens
 #   bash packaging/bench/h200.sh moe4     # the 4-bit routed-expert kernels' GPU tests; 80B-A3B 12-layer slice in Int4
+#   bash packaging/bench/h200.sh int4rows # the CUDA-core W4A16 forms per call; GPU tests; 27B shape Int4 (graphs)
 #   bash packaging/bench/h200.sh gdn      # the GDN recurrent kernel's launch configurations per call (gdn_ops.py)
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
 # the device's python3 has none of them.
@@ -192,6 +193,18 @@ moe4)  # issue #29 (about 4 minutes)
           --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
           --out "$OUT/bench80b_a3b_12layers_int4_${moe}_h200.json"
   done
+  ;;
+int4rows)  # issue #29 (about 8 minutes): the CUDA-core W4A16 forms per call against the tensor-core ones, the
+  # quantized kernels' GPU tests, 27B shape Int4 speed (graphs, uncompiled)
+  timeout ${KERNEL_LIMIT:-150} python3 packaging/bench/quant_kernels.py --quant int4 --rows ${ROWS:-1,4} \
+        --json "$OUT/quant_kernels_int4_h200.json" 2>&1 | grep -E "rows [0-9]+:|Error" | tee "$OUT/quant_kernels_int4.txt"
+  gpu_tests ${TEST_LIMIT:-150} "$OUT/gpu_tests.log" tests/test_host_embedding.py tests/test_int4.py tests/test_fp8_triton.py \
+        -k "kernel or cuda or experts or split_k or discovery or host or gpu"
+  [ -n "${KERNELS_ONLY:-}" ] && exit 0
+  # (auto places the embedding table in host memory: a quantized model)
+  BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} bench --random-weights qwen3.5-27b --quant int4 --compile --prompt-tokens 32,32768 \
+        --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
+        --out "$OUT/bench27b_int4_row_h200.json"
   ;;
 gdn)
   timeout 60 python3 packaging/bench/gdn_ops.py --json "$OUT/gdn_ops_h200.json" 2>&1 | grep -E "^B |Error"
