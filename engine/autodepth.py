@@ -5,8 +5,10 @@ draft position i given that position i - 1 was accepted (how MTP heads behave: a
 costs c_k: one verify pass of k + 1 tokens plus k draft steps. Both are measured on the running reply: acceptance
 per position as a running mean of the cycles' flags, the cost per depth as a running mean of the cycles' wall time
 (a depth not tried yet is extrapolated from those that were: verify widths cost nearly alike, each draft step
-adds). Depth 0 (plain decoding) wins when acceptance is low or drafting dear; every PROBE_EVERY cycles at depth 0
-one cycle drafts a single token, so a reply whose text becomes predictable again gets speculation back.
+adds). Depth 0 (plain decoding) wins when acceptance is low or drafting dear. A position past the chosen depth is
+judged by no cycle, so every PROBE_EVERY cycles below the deepest depth one drafts a token deeper: from depth 0, a
+reply whose text becomes predictable again gets speculation back; from depth k, a low estimate at position k + 1
+that a few rejections made is measured again instead of holding the depth below it for the rest of the reply.
 
 `--drafter auto` (AutoDrafter, DrafterChooser) reuses these estimates, one DepthChooser per drafter: each cycle the
 MTP head or the draft model, whichever has the higher expected tokens per second at the cycle's depth.
@@ -82,12 +84,19 @@ class DepthChooser:
     def pick(self) -> int:
         costs = self.costs()
         k = best_depth(self.acceptance, costs)
-        self.since_probe = self.since_probe + 1 if k == 0 else 0
         rates = ", ".join(f"{j}: {self.rate(j, costs):.0f}" for j in range(len(costs)))
         self.why = f"expected tok/s by depth {rates}"
-        if k == 0 and self.since_probe >= PROBE_EVERY:  # has the text become predictable again?
-            self.since_probe, k = 0, 1
-            self.why += "; probing depth 1"
+        return self.probe(k)
+
+    def probe(self, k: int) -> int:
+        """k, or k + 1 once in every PROBE_EVERY cycles below the deepest depth: no cycle at depth k judges
+        position k + 1, so its estimate stays what it was when the depth fell below it (a run of rejections
+        there pinned depth 3 for the rest of a 1024-token reply whose 4th position is accepted half the time;
+        from depth 0: has the text become predictable again?)."""
+        self.since_probe = self.since_probe + 1 if k < self.max_depth else 0
+        if self.since_probe >= PROBE_EVERY:
+            self.since_probe, k = 0, k + 1
+            self.why += f"; probing depth {k}"
         return k
 
     def observe(self, depth: int, accepted: list[bool], ms: float | None) -> None:

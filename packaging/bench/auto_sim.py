@@ -3,7 +3,8 @@ DepthChooser (autodepth.py) driven by simulated cycles whose costs are the 27B s
 auto27b_v2_h200.json: ms per cycle, verify + draft + commit) and whose acceptance follows the bench's oracle
 profiles, drawn as the bench's OracleDrafter draws them: one seed for every row and repeat of a run, each draw
 keyed by (token index, position), so rows share their luck. A run here is one bench run; runs differ by seed.
-`python3 packaging/bench/auto_sim.py` (CPU, seconds).
+`python3 packaging/bench/auto_sim.py` (CPU, seconds); `--trace PROFILE`: for each run below 0.97, auto's depths
+over the reply and its estimates at each move off or onto depth 4.
 """
 import argparse
 import statistics
@@ -22,12 +23,16 @@ PROFILES = {
 }
 
 
-def reply(profile, depth, n: int, seed: int) -> float:
-    """Tokens per second of one n-token reply at `depth` (an int, or "auto")."""
+def reply(profile, depth, n: int, seed: int, trace: list | None = None) -> float:
+    """Tokens per second of one n-token reply at `depth` (an int, or "auto"); trace: gets each cycle's
+    (token index, depth, the chooser's acceptance estimates and costs before the pick, its why)."""
     chooser = DepthChooser(4, mean_first=True)
     made, ms = 0, 0.0
     while made < n:
+        before = (list(chooser.acceptance), chooser.costs())
         k = chooser.pick() if depth == "auto" else depth
+        if trace is not None:
+            trace.append((made, k, *before, chooser.why))
         flags = []
         for i, p in enumerate(profile(made, n)[:k]):  # conditional on the position before: a miss ends the cycle
             flags.append(uniform(seed, made + i, i) < p)  # (OracleDrafter.correct's key)
@@ -40,7 +45,27 @@ def reply(profile, depth, n: int, seed: int) -> float:
 
 
 def bench_row(profile, depth, n: int, repeat: int, seed: int) -> float:
+    # (the draws are the run's seed's: here a row's repeats are one reply again, in a bench they differ only in
+    # timing; a longer reply, not more repeats, is what averages the draws)
     return statistics.mean(reply(profile, depth, n, seed) for _ in range(repeat))
+
+
+def show_trace(profile, n: int, seed: int) -> None:
+    """An auto reply's depths over its cycles (run-length: depth x cycles) and the estimates at each cycle that
+    left the deepest depth, or came back to it."""
+    trace = []
+    reply(profile, "auto", n, seed, trace)
+    runs = []
+    for _, k, *_ in trace:
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    print("  depths: " + " ".join(f"{k}x{c}" for k, c in runs))
+    for (_, prev, *_), (made, k, acc, costs, why) in zip(trace, trace[1:]):
+        if (prev == 4) != (k == 4):
+            print(f"  token {made}: {prev} -> {k}; acceptance {' '.join(f'{a:.2f}' for a in acc)}; "
+                  f"costs {' '.join(f'{c:.2f}' for c in costs)}; {why}")
 
 
 def main():
@@ -48,7 +73,17 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--runs", type=int, default=300)
+    ap.add_argument("--trace", choices=PROFILES, help="for this profile: each run below 0.97, auto's depths")
     args = ap.parse_args()
+    if args.trace:
+        profile = PROFILES[args.trace]
+        for seed in range(args.runs):
+            fixed = max(bench_row(profile, d, args.tokens, 1, seed) for d in range(5))
+            ratio = reply(profile, "auto", args.tokens, seed) / fixed
+            if ratio < 0.97:
+                print(f"seed {seed}: auto / best row {ratio:.3f}")
+                show_trace(profile, args.tokens, seed)
+        return
     for name, profile in PROFILES.items():
         # in expectation (many seeds): auto against the best fixed depth
         expected = {d: statistics.mean(reply(profile, d, args.tokens, 10_000 + s) for s in range(400))
