@@ -14,10 +14,10 @@ standin_recurrent = torch.compiler.disable(kernels.torch_recurrent)
 standin_chunk = torch.compiler.disable(kernels.torch_chunk)
 
 
-@pytest.fixture
-def engine(ckpt, monkeypatch):
+@pytest.fixture(params=["next", "next_moe"])
+def engine(ckpt, monkeypatch, request):
     monkeypatch.setitem(kernels.IMPLEMENTATIONS, "standin", (standin_recurrent, standin_chunk))
-    eng = load_engine(str(ckpt("next")))
+    eng = load_engine(str(ckpt(request.param)), device="cpu")
     eng.trunk.backends.gdn_recurrent = kernels.Kernel("standin", False)
     eng.trunk.backends.gdn_chunk = kernels.Kernel("standin", True)
     return eng

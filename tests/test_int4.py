@@ -446,7 +446,8 @@ def test_a_bad_mtp_tensor_falls_back_to_plain_decoding(int4_ckpt, tmp_path):
 
 @pytest.mark.parametrize("k, n, group_size, act, rows", [(256, 96, 32, False, 1), (256, 72, 128, True, 4),
                                                          (384, 64, -1, False, 16), (192, 40, 64, True, 5),
-                                                         (256, 48, 64, False, 40), (128, 40, 128, True, 260)])
+                                                         (256, 48, 64, False, 40), (128, 40, 128, True, 260),
+                                                         (384, 48, -1, True, 1)])
 def test_w4a16_kernel_equals_the_dequantized_reference(triton_device, k, n, group_size, act, rows):
     from engine import int4_triton
 

@@ -25,6 +25,7 @@
 #   bash packaging/bench/h200.sh quant    # GPU tests; 27B shape Int4 --compile; FP8 and bf16 prefill of 8k prompt tokens
 #   bash packaging/bench/h200.sh moe4     # the 4-bit routed-expert kernels' GPU tests; 80B-A3B 12-layer slice in Int4
 #   bash packaging/bench/h200.sh int4rows # the CUDA-core W4A16 forms per call; GPU tests; 27B shape Int4 (graphs)
+#   bash packaging/bench/h200.sh memory   # what holds the 27B shape's Int4 memory at a 32k prompt's peak
 #   bash packaging/bench/h200.sh gdn      # the GDN recurrent kernel's launch configurations per call (gdn_ops.py)
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
 # the device's python3 has none of them.
@@ -205,6 +206,12 @@ int4rows)  # issue #29 (about 8 minutes): the CUDA-core W4A16 forms per call aga
   BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} bench --random-weights qwen3.5-27b --quant int4 --compile --prompt-tokens 32,32768 \
         --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
         --out "$OUT/bench27b_int4_row_h200.json"
+  ;;
+memory)  # issue #29 (about 6 minutes): what holds the 27B shape's Int4 memory at a 32k prompt's peak; the
+  # compiled-graph GPU test
+  timeout 200 python3 packaging/bench/memory_peak.py --random-weights qwen3.5-27b --quant int4 --prompt-tokens 32768 \
+        --prefill-chunk auto,512 --json "$OUT/memory_peak_int4_32k_h200.json" 2>&1 | grep -v Warn | tail -50
+  gpu_tests 200 "$OUT/gpu_tests.log" tests/test_gpu.py -k "compiled_graphs_decode_like_eager"
   ;;
 gdn)
   timeout 60 python3 packaging/bench/gdn_ops.py --json "$OUT/gdn_ops_h200.json" 2>&1 | grep -E "^B |Error"
