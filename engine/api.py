@@ -132,6 +132,11 @@ class Engine:
         self.auto_drafter = None  # both, chosen per cycle (--drafter auto; attach_draft)
         self.drafter_choice = None  # "mtp" | "draft" | "auto" | None: auto when both exist, else the one there is
         self.turns = TurnCache()
+        # the running cost of a cycle at each depth (auto's and fixed depths' cycles), per drafter kind, kept
+        # from one request to the next (they are this model's and this device's): a reply at depth auto starts
+        # from them instead of guesses (depth 0 guessed from the speculative depths kept a plain-text reply at
+        # depth 3 for its first 16 cycles)
+        self.cycle_costs: dict[str, dict[int, float]] = {}
         self.graph_runner = None
         if cuda_graphs is None:
             cuda_graphs = self.trunk.device.type == "cuda" and os.environ.get("MTPCHAT_CUDA_GRAPHS", "1") != "0"
@@ -315,6 +320,7 @@ class Engine:
         flight = Flight()
         ttft, ok, depth_cap = None, False, None
         chooser, chosen = DepthChooser(AUTO_MAX_DEPTH, mean_first=True), {}  # (first cycles count fully)
+        chooser.cost = dict(self.cycle_costs.get(type(drafter).__name__, {}))
         with torch.inference_mode():
             try:
                 self.start_from(start, snap, drafter, len(prompt_ids) + settings.max_new_tokens)
@@ -366,6 +372,8 @@ class Engine:
                         chooser.observe(stats.depth, stats.accepted_per_position, ms)
                         stats.why = chooser.why
                         chosen[stats.depth] = chosen.get(stats.depth, 0) + 1
+                    else:  # (what a cycle at this depth costs, for the next reply at depth auto)
+                        chooser.observe_cost(stats.depth, ms)
                     if stats.drafted and getattr(drafter, "note", None):  # --drafter auto: which drafted, why
                         stats.why = f"{drafter.note}; {stats.why}" if stats.why else drafter.note
                     yield stats
@@ -380,6 +388,7 @@ class Engine:
                 raise
             finally:
                 drop_in_flight(self.caches, drafter, flight)  # a cycle launched ahead of a stop is not finished
+                self.cycle_costs[type(drafter).__name__] = chooser.cost
                 # What the caches hold is the committed sequence minus its last (unprocessed) token. After any
                 # other exception the state is dropped, cleanly: the next request starts from zero.
                 if ok:

@@ -102,13 +102,7 @@ class DepthChooser:
     def observe(self, depth: int, accepted: list[bool], ms: float | None) -> None:
         """One cycle: its depth, its per-position flags (Cycle.accepted_per_position) and its wall time (None:
         not a cost to go by)."""
-        old = self.cost.get(depth)
-        if ms is not None and self.cost and ms > OUTLIER * min(self.cost.values()):
-            ms = None
-        if ms is not None:
-            self.cost[depth] = ms if old is None else old + WEIGHT * (ms - old)
-            cheapest = min(self.cost.values())  # (and a first cycle that was one: forgotten, measured again later)
-            self.cost = {d: c for d, c in self.cost.items() if c <= OUTLIER * cheapest}
+        self.observe_cost(depth, ms)
         for i, flag in enumerate(accepted):  # position i was judged: i == 0 or i - 1 was accepted
             if i < self.max_depth:
                 self.judged[i] += 1
@@ -116,6 +110,16 @@ class DepthChooser:
                 self.acceptance[i] += w * (float(flag) - self.acceptance[i])
             if not flag:
                 break
+
+    def observe_cost(self, depth: int, ms: float | None) -> None:
+        """A cycle's wall time at `depth` (a fixed depth's cycles too: they cost what auto's would)."""
+        old = self.cost.get(depth)
+        if ms is not None and self.cost and ms > OUTLIER * min(self.cost.values()):
+            ms = None
+        if ms is not None:
+            self.cost[depth] = ms if old is None else old + WEIGHT * (ms - old)
+            cheapest = min(self.cost.values())  # (and a first cycle that was one: forgotten, measured again later)
+            self.cost = {d: c for d, c in self.cost.items() if c <= OUTLIER * cheapest}
 
 
 # --- --drafter auto: the MTP head or the draft model, whichever is expected to be faster --------------------------

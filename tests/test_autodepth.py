@@ -108,3 +108,19 @@ def test_a_position_past_the_chosen_depth_is_measured_again():
         c.observe(depth, [True] * depth, cost[depth])
     assert picks[: PROBE_EVERY - 1] == [3] * (PROBE_EVERY - 1)  # the stale estimate holds depth 3 ...
     assert picks[-PROBE_EVERY:] == [4] * PROBE_EVERY  # ... until a probe measures position 4 again
+
+
+def test_a_reply_starts_from_the_costs_the_last_one_measured(ckpt):
+    from engine import load_engine
+
+    engine = load_engine(str(ckpt("next")), device="cpu")
+    prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+
+    def first_cycle_why() -> str:
+        settings = GenerationSettings(max_new_tokens=12, depth=AUTO, ignore_eos=True)
+        return [e for e in engine.generate(prompt, settings) if isinstance(e, Cycle)][0].why
+
+    assert "by depth 0: 1000," in first_cycle_why()  # nothing measured yet: a plain cycle guessed at 1 ms
+    costs = engine.cycle_costs["MTPDrafter"]
+    assert costs and all(ms > 0 for ms in costs.values())
+    assert "by depth 0: 1000," not in first_cycle_why()  # the next reply starts from the measured costs

@@ -78,7 +78,11 @@ def test_compiled_graphs_decode_like_eager_in_float32(name, ckpt):
     for depth in (1, 3):
         assert tokens(compiled, prompt, depth, OracleDrafter(plain, len(prompt), 0.4, vocab, seed=depth)) == plain
     report = compiled.diagnostics()["compile"]["cuda_graphs"]
-    assert report["compiled"] and report["compile_failure"] is None and report["decode"]["failure"] is None
+    assert report["decode"]["failure"] is None
+    if name == "next_moe":  # float32: the row-wise MoE path, whose compiled verify steps disagreed (not_compiled)
+        assert not report["compiled"] and "row-wise MoE" in report["compile_failure"]
+    else:
+        assert report["compiled"] and report["compile_failure"] is None
 
 
 def test_triton_moe_passes_its_self_check_in_bf16_and_speculation_stays_exact_in_float32(ckpt):

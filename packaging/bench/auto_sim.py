@@ -3,7 +3,7 @@ DepthChooser (autodepth.py) driven by simulated cycles whose costs are the 27B s
 auto27b_v2_h200.json: ms per cycle, verify + draft + commit) and whose acceptance follows the bench's oracle
 profiles, drawn as the bench's OracleDrafter draws them: one seed for every row and repeat of a run, each draw
 keyed by (token index, position), so rows share their luck. A run here is one bench run; runs differ by seed.
-`python3 packaging/bench/auto_sim.py` (CPU, seconds); `--trace PROFILE`: for each run below 0.97, auto's depths
+`python3 packaging/bench/auto_sim.py [--known-costs]` (CPU, seconds); `--trace PROFILE`: for each run below 0.97, auto's depths
 over the reply and its estimates at each move off or onto depth 4.
 """
 import argparse
@@ -23,10 +23,16 @@ PROFILES = {
 }
 
 
+KNOWN = False  # --known-costs: each reply starts from every depth's cost (the engine keeps the costs a reply
+# measured for the next one, fixed depths' cycles included: in the bench the fixed rows run before auto's)
+
+
 def reply(profile, depth, n: int, seed: int, trace: list | None = None) -> float:
     """Tokens per second of one n-token reply at `depth` (an int, or "auto"); trace: gets each cycle's
     (token index, depth, the chooser's acceptance estimates and costs before the pick, its why)."""
     chooser = DepthChooser(4, mean_first=True)
+    if KNOWN:
+        chooser.cost = dict(COST_MS)
     made, ms = 0, 0.0
     while made < n:
         before = (list(chooser.acceptance), chooser.costs())
@@ -74,7 +80,10 @@ def main():
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--trace", choices=PROFILES, help="for this profile: each run below 0.97, auto's depths")
+    ap.add_argument("--known-costs", action="store_true", help="replies start from every depth's cost")
     args = ap.parse_args()
+    global KNOWN
+    KNOWN = args.known_costs
     if args.trace:
         profile = PROFILES[args.trace]
         for seed in range(args.runs):
