@@ -319,8 +319,9 @@ class Engine:
         detok = TextStream(self.tokenizer)
         flight = Flight()
         ttft, ok, depth_cap = None, False, None
-        chooser, chosen = DepthChooser(AUTO_MAX_DEPTH, mean_first=True), {}  # (first cycles count fully)
-        chooser.cost = dict(self.cycle_costs.get(type(drafter).__name__, {}))
+        # (the first cycles count fully; the costs the requests before measured)
+        costs = dict(self.cycle_costs.get(type(drafter).__name__, {}))
+        chooser, chosen = DepthChooser(AUTO_MAX_DEPTH, mean_first=True, cost=costs), {}
         with torch.inference_mode():
             try:
                 self.start_from(start, snap, drafter, len(prompt_ids) + settings.max_new_tokens)

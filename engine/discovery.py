@@ -324,9 +324,10 @@ def dequantized_at_load(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> tupl
 def untied_embedding_params(tensors: dict, fam) -> int:
     """The input embedding table's weights when the checkpoint has an lm_head of its own, else 0 (tied: the table
     is the lm_head's and stays on the GPU)."""
-    keys = {fam.trunk_key(k): shape for k, (_, shape) in tensors.items()}
-    table = keys.get("model.embed_tokens.weight")
-    return _numel(table) if table is not None and any((k or "").startswith("lm_head.") for k in keys) else 0
+    from .host_embedding import untied_table_key
+
+    key = untied_table_key(tensors, fam)
+    return _numel(tensors[key][1]) if key is not None else 0
 
 
 def estimate_memory(cand: Candidate, device: DeviceInfo) -> tuple[str | None, int | None]:

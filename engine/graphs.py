@@ -38,8 +38,8 @@ def not_compiled(trunk) -> str | None:
     logits below the eager step's top one at the 4th token of a depth-1 reply (the dense models' compiled steps,
     and the CPU's inductor over the same MoE steps, agree with eager): until that is understood, a model whose
     MoE runs the row-wise path on CUDA is not compiled. (The Triton MoE path's experts are a custom op.)"""
-    moe = any(hasattr(layer.mlp, "experts") for layer in trunk.layers if hasattr(layer, "mlp"))
-    if trunk.device.type == "cuda" and moe and trunk.backends.moe == "rowwise":
+    moe = trunk.backends.choice.get("moe")  # (recorded for models with MoE layers only: model.choose_moe)
+    if trunk.device.type == "cuda" and moe is not None and moe[0] == "rowwise":
         return ("--compile: not for the row-wise MoE path on CUDA (its compiled verify steps disagreed with the "
                 "eager ones on the H200): eager layers inside the CUDA graphs")
     return None

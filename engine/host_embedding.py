@@ -182,13 +182,22 @@ def plan(mode: str, device: torch.device, files, names: list[str], family,
 
     if device.type != "cuda":
         return None, None
-    key_of = {family.trunk_key(k): k for k in names}
-    tied = not any(k.startswith("lm_head.") for k in key_of)  # (a quantized lm_head has lm_head.qweight, ...)
+    key = untied_table_key(names, family)
     weight_bytes = sum(math.prod(files.shape_of[k]) * SAFETENSORS_DTYPES.get(files.dtype_of[k], (None, 2))[1]
                        for k in names)  # (as stored: what the quantized formats keep)
     total = torch.cuda.get_device_properties(device).total_memory
-    placement = resolve(mode, "cuda", tied, bool(files.fp8) or files.int4 is not None, tp, weight_bytes, total)
-    return placement, key_of.get("model.embed_tokens.weight") if placement.host else None
+    placement = resolve(mode, "cuda", key is None, bool(files.fp8) or files.int4 is not None, tp, weight_bytes,
+                        total)
+    return placement, key if placement.host else None
+
+
+def untied_table_key(keys, family) -> str | None:
+    """The checkpoint key of the input embedding table when the checkpoint has an lm_head of its own (a quantized
+    one counts: lm_head.qweight, ...), else None: tied, the table is the lm_head's (model.load, discovery)."""
+    key_of = {family.trunk_key(k): k for k in keys}
+    if not any((k or "").startswith("lm_head.") for k in key_of):
+        return None
+    return key_of.get("model.embed_tokens.weight")
 
 
 def settle(placement: Placement | None, embedding: torch.nn.Embedding, device: torch.device, mode: str):

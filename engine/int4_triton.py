@@ -147,8 +147,8 @@ if triton is not None:
                    pn + pm * tl.num_programs(0))
 
     @triton.jit
-    def _w4a16_row(X, QW, Z, S, Y, P, LOCKS, N, K, GROUP, stride_q, stride_z, stride_s, KS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    def _w4a16_row(X, QW, Z, S, Y, P, LOCKS, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s,
+                   KS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
         """The CUDA-core form for decoding's one row: no tensor cores, so no shared-memory round trip of the
         unpacked tile (the dot forms' bound: 16 bytes of 16-bit weight a packed word through shared memory).
         Each nibble costs a shift, one LOP3 and one FMA: moved to bits 16-19 and OR-ed under the exponent of
@@ -215,19 +215,15 @@ def _launch(x2: torch.Tensor, qweight, zeros, scales, group: int, choice) -> tor
     blocks = triton.cdiv(K, bk)
     slices = triton.cdiv(blocks, min(ks, blocks))
     block_m = 1 if kind == "row" else 16 if M <= 16 else bucket(M)
-    row_blocks = triton.cdiv(M, block_m)
-    out, part, locks = output(M, N, slices, triton.cdiv(N, block_n) * row_blocks, x2)
+    out, part, locks = output(M, N, slices, triton.cdiv(N, block_n) * triton.cdiv(M, block_m), x2)
     args = (x2, qweight, zeros, scales, out, part, locks, M, N, K, K if group == -1 else group, x2.stride(0),
             qweight.stride(0), zeros.stride(0), scales.stride(0))
     if kind == "row":
         if M != 1:
             raise ValueError(f"the row form serves one row, not {M}")
         even = N % block_n == 0 and K % bk == 0 and qweight.shape[0] * qweight.stride(0) < 2**31
-        _w4a16_row[(triton.cdiv(N, block_n), slices)](x2, qweight, zeros, scales, out, part, locks, N, K,
-                                                      K if group == -1 else group, qweight.stride(0),
-                                                      zeros.stride(0), scales.stride(0), KS=min(ks, blocks),
-                                                      BLOCK_N=block_n, BLOCK_K=bk, EVEN=even, num_warps=warps,
-                                                      num_stages=stages)
+        _w4a16_row[(triton.cdiv(N, block_n), slices)](*args, KS=min(ks, blocks), BLOCK_N=block_n, BLOCK_K=bk,
+                                                      EVEN=even, num_warps=warps, num_stages=stages)
     elif kind == "dot8":  # (its dots' K is BLOCK_K / 8: tensor cores need 16)
         if bk < 128:
             raise ValueError(f"dot8 needs 128-row K-blocks, not {bk}")

@@ -24,7 +24,7 @@
 #                                         # against fixed depths at the flat, realistic and changing profiles
 #   bash packaging/bench/h200.sh quant    # GPU tests; 27B shape Int4 --compile; FP8 and bf16 prefill of 8k prompt tokens
 #   bash packaging/bench/h200.sh moe4     # the 4-bit routed-expert kernels' GPU tests; 80B-A3B 12-layer slice in Int4
-#   bash packaging/bench/h200.sh int4rows # the CUDA-core W4A16 forms per call; GPU tests; 27B shape Int4 (graphs)
+#   bash packaging/bench/h200.sh int4rows # the CUDA-core W4A16 form per call; GPU tests; 27B shape Int4 --compile
 #   bash packaging/bench/h200.sh memory   # what holds the 27B shape's Int4 memory at a 32k prompt's peak
 #   bash packaging/bench/h200.sh gdn      # the GDN recurrent kernel's launch configurations per call (gdn_ops.py)
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
@@ -195,8 +195,8 @@ moe4)  # issue #29 (about 4 minutes)
           --out "$OUT/bench80b_a3b_12layers_int4_${moe}_h200.json"
   done
   ;;
-int4rows)  # issue #29 (about 8 minutes): the CUDA-core W4A16 forms per call against the tensor-core ones, the
-  # quantized kernels' GPU tests, 27B shape Int4 speed (graphs, uncompiled)
+int4rows)  # issue #29 (about 8 minutes): the CUDA-core W4A16 form per call against the tensor-core ones, the
+  # quantized kernels' GPU tests, 27B shape Int4 speed (--compile) after 32 and 32k prompt tokens
   timeout ${KERNEL_LIMIT:-150} python3 packaging/bench/quant_kernels.py --quant int4 --rows ${ROWS:-1,4} \
         --json "$OUT/quant_kernels_int4_h200.json" 2>&1 | grep -E "rows [0-9]+:|Error" | tee "$OUT/quant_kernels_int4.txt"
   gpu_tests ${TEST_LIMIT:-150} "$OUT/gpu_tests.log" tests/test_host_embedding.py tests/test_int4.py tests/test_fp8_triton.py \
