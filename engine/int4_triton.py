@@ -4,11 +4,13 @@ along K, zeros uint8 [G, N], scales [G, N]) dequantized in registers.
 Up to MAX_ROWS rows (decode, verify, graph prefills) one kernel streams the packed weight: each program owns
 BLOCK_N output columns and a slice of K's blocks (BLOCK_K rows inside one group, so one zero / scale row serves a
 block). Three forms compete:
-  - row (decoding's one row): CUDA cores, float32 throughout (_w4a16_row). On the H200 0.154 ms over the 27B
-    shape's seven projections, 1.36-1.9 TB/s of packed bytes, against dot8's 0.242 and bf16 cuBLAS's 0.257
+  - row (decoding's one row): CUDA cores, float32 throughout (_w4a16_row). On the H200 0.150 ms over the 27B
+    shape's seven projections, 1.44-1.93 TB/s of packed bytes, against dot8's 0.243 and bf16 cuBLAS's 0.250
     (packaging/bench/quant_kernels.py). A thread's share of the tile decides it: 16 words a thread ran at 0.9
     TB/s with one K slice per 8 blocks and 1.4-1.9 with one per 4; 64 words a thread ran ten times slower
-    (register spills, presumably: not profiled);
+    (register spills, presumably: not profiled). For verify's 2-8 rows the same kernel over [rows, K / 8, N]
+    tiles ran 0.637 ms at four rows against dot8's 0.256 (each row adds an FMA a weight: twice the issue
+    work at four rows), so it serves one row only;
   - dot8 (verify widths and up): tensor cores without conversion instructions or a reshape (_w4a16_dot8), for
     groups of 128 (and -1): 1.0-1.25 TB/s at one to four rows. Its unpacked tile reaches the tensor cores
     through shared memory, 16 bytes of 16-bit weight for every 4-byte word: that round trip bounds it;
@@ -46,7 +48,7 @@ CONFIGS = {  # (pruned to the configurations that won some shape and width on th
     "dot": [(64, 8, 4, 3), (128, 4, 4, 3), (128, 8, 4, 3), (128, 16, 8, 3), (64, ALL, 4, 3)],
     "dot8": [(64, 8, 4, 3), (128, 8, 4, 3), (128, 4, 4, 3), (128, 16, 8, 3)],
     # (a thread's share of the tile: BLOCK_N * 16 words / (32 * warps): 64 words ran ten times slower than 16)
-    "row": [(64, 4, 2, 3), (64, 8, 4, 3), (64, 2, 2, 3), (32, 4, 1, 3), (64, 4, 4, 3), (64, 2, 4, 3)],
+    "row": [(64, 4, 2, 3), (64, 8, 4, 3), (128, 4, 2, 3), (32, 4, 1, 3), (64, 4, 4, 3)],
 }
 _chosen: dict[tuple, tuple] = {}  # (N, K, group, bucket, device index) -> the timed (kernel, configuration)
 
@@ -147,6 +149,18 @@ if triton is not None:
                    pn + pm * tl.num_programs(0))
 
     @triton.jit
+    def _columns8(x, R: tl.constexpr):
+        """x [R, 8] -> its 8 columns [R] (splits of the last dimension: no data moves when a thread holds a row)."""
+        a, b = tl.split(tl.reshape(x, (R, 4, 2)))  # j even, odd
+        a0, a1 = tl.split(tl.reshape(a, (R, 2, 2)))  # j = 0, 4 | 2, 6
+        b0, b1 = tl.split(tl.reshape(b, (R, 2, 2)))  # j = 1, 5 | 3, 7
+        c0, c4 = tl.split(a0)
+        c2, c6 = tl.split(a1)
+        c1, c5 = tl.split(b0)
+        c3, c7 = tl.split(b1)
+        return c0, c1, c2, c3, c4, c5, c6, c7
+
+    @triton.jit
     def _w4a16_row(X, QW, Z, S, Y, P, LOCKS, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s,
                    KS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
         """The CUDA-core form for decoding's one row: no tensor cores, so no shared-memory round trip of the
@@ -173,12 +187,16 @@ if triton is not None:
                                              BLOCK_K)
             t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
             xsum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
+            # the block's inputs in one load, split in registers into the 8 nibbles' columns (8 strided loads of
+            # one column each ran 2-8% slower over the 27B shape's projections)
+            kb = k0 + i[:, None] * 8 + tl.arange(0, 8)[None, :]
+            if EVEN:
+                xb = tl.load(X + kb).to(tl.float32)
+            else:
+                xb = tl.load(X + kb, mask=kb < K, other=0.0).to(tl.float32)
+            xc = _columns8(xb, BLOCK_K // 8)
             for j in tl.static_range(8):
-                ks = k0 + i * 8 + j
-                if EVEN:
-                    x = tl.load(X + ks).to(tl.float32)
-                else:
-                    x = tl.load(X + ks, mask=ks < K, other=0.0).to(tl.float32)
+                x = xc[j]
                 if j < 4:
                     moved = packed << (16 - 4 * j)
                 else:

@@ -207,11 +207,13 @@ int4rows)  # issue #29 (about 8 minutes): the CUDA-core W4A16 form per call agai
         --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
         --out "$OUT/bench27b_int4_row_h200.json"
   ;;
-memory)  # issue #29 (about 6 minutes): what holds the 27B shape's Int4 memory at a 32k prompt's peak; the
-  # compiled-graph GPU test
-  timeout 200 python3 packaging/bench/memory_peak.py --random-weights qwen3.5-27b --quant int4 --prompt-tokens 32768 \
-        --prefill-chunk auto,512 --json "$OUT/memory_peak_int4_32k_h200.json" 2>&1 | grep -v Warn | tail -50
-  gpu_tests 200 "$OUT/gpu_tests.log" tests/test_gpu.py -k "compiled_graphs_decode_like_eager"
+memory)  # issue #29 (about 8 minutes): the GPU tests of the quantized paths and the graphs; what holds the 27B
+  # shape's Int4 memory at a 32k prompt's peak after a chat's short turns at depths 0 and 3 (--compile)
+  gpu_tests ${TEST_LIMIT:-200} "$OUT/gpu_tests.log" tests/test_gpu.py tests/test_int4.py tests/test_fp8.py \
+        tests/test_fp8_triton.py tests/test_fp8_moe.py tests/test_host_embedding.py
+  timeout 330 python3 packaging/bench/memory_peak.py --random-weights qwen3.5-27b --quant int4 --prompt-tokens 32768 \
+        --compile --warm-depths 0,3 --prefill-chunk auto,512 --json "$OUT/memory_peak_int4_32k_h200.json" 2>&1 \
+        | grep -v Warn | tail -50
   ;;
 gdn)
   timeout 60 python3 packaging/bench/gdn_ops.py --json "$OUT/gdn_ops_h200.json" 2>&1 | grep -E "^B |Error"
