@@ -63,12 +63,12 @@ def main():
                     compile=a.compile or None)
     torch.cuda.synchronize()
     loaded = torch.cuda.memory_allocated()
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, engine.trunk.config.vocab_size, (a.prompt_tokens,), generator=gen).tolist()
-    record = [int(d) for d in a.warm_depths.split(",") if d]
+    prompt = torch.randint(0, engine.trunk.config.vocab_size, (a.prompt_tokens,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    warm = [int(d) for d in a.warm_depths.split(",") if d]
     out = []
     for i, chunk in enumerate([int(c) if c != "auto" else None for c in a.prefill_chunk.split(",")]):
-        out.append(one_request(engine, prompt, chunk, a.depth, loaded, record if i == 0 else []))
+        out.append(one_request(engine, prompt, chunk, a.depth, loaded, warm if i == 0 else []))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
@@ -79,8 +79,8 @@ def one_request(engine, prompt, chunk, depth, loaded, warm_depths=()) -> dict:
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     for d in warm_depths:  # (recorded: what their graphs keep is live at the peak)
-        warm = GenerationSettings(max_new_tokens=16, depth=d, ignore_eos=True, reuse=False)
-        next(ev for ev in engine.generate(prompt[:32], warm) if isinstance(ev, Finished))
+        turn = GenerationSettings(max_new_tokens=16, depth=d, ignore_eos=True, reuse=False)
+        next(ev for ev in engine.generate(prompt[:32], turn) if isinstance(ev, Finished))
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     settings = GenerationSettings(max_new_tokens=8, depth=depth, ignore_eos=True, reuse=False, prefill_chunk=chunk)
@@ -94,7 +94,8 @@ def one_request(engine, prompt, chunk, depth, loaded, warm_depths=()) -> dict:
         groups[line] += size
     top = sorted(groups.items(), key=lambda t: -t[1])[:20]
     out = {"loaded_bytes": loaded, "warm_depths": list(warm_depths), "before_request_bytes": base,
-           "max_allocated_bytes": torch.cuda.max_memory_allocated(), "peak_over_traced_start_bytes": growth, "prompt_tokens": len(prompt), "prefill_chunk": chunk, "depth": depth,
+           "max_allocated_bytes": torch.cuda.max_memory_allocated(), "peak_over_traced_start_bytes": growth,
+           "prompt_tokens": len(prompt), "prefill_chunk": chunk, "depth": depth,
            "tokens_per_s": fin.stats.get("tokens_per_s"),
            "at_peak_by_line": [{"line": line, "bytes": b} for line, b in top]}
     print(f"chunk {chunk}: loaded {loaded / 1e9:.2f} GB, before the request {base / 1e9:.2f} GB, max allocated "
