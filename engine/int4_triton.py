@@ -85,15 +85,22 @@ def usable(device: torch.device, dtype: torch.dtype, groups=()) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _packed_block(QW, Z, S, k0, n, n_ok, K, GROUP, stride_q, stride_z, stride_s, BLOCK_K: tl.constexpr):
+    def _packed_block(QW, Z, S, k0, n, n_ok, K, GROUP, stride_q, stride_z, stride_s, BLOCK_K: tl.constexpr,
+                      EVEN: tl.constexpr = False):
         """K-block k0's packed words [BLOCK_K / 8, BLOCK_N] (word i holds input rows k0 + 8i .. k0 + 8i + 7) and
-        its group's zeros and scales [BLOCK_N] in float32."""
+        its group's zeros and scales [BLOCK_N] in float32. EVEN: the block and the columns lie inside the weight
+        and its offsets fit 32 bits (the caller checked), so no masks and no 64-bit offsets."""
         rows = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        packed = tl.load(QW + rows[:, None].to(tl.int64) * stride_q + n[None, :],
-                         mask=(rows < K // 8)[:, None] & n_ok[None, :], other=0)
         g = k0 // GROUP
-        z = tl.load(Z + g * stride_z + n, mask=n_ok, other=0).to(tl.float32)
-        s = tl.load(S + g * stride_s + n, mask=n_ok, other=0).to(tl.float32)
+        if EVEN:
+            packed = tl.load(QW + rows[:, None] * stride_q + n[None, :])
+            z = tl.load(Z + g * stride_z + n).to(tl.float32)
+            s = tl.load(S + g * stride_s + n).to(tl.float32)
+        else:
+            packed = tl.load(QW + rows[:, None].to(tl.int64) * stride_q + n[None, :],
+                             mask=(rows < K // 8)[:, None] & n_ok[None, :], other=0)
+            z = tl.load(Z + g * stride_z + n, mask=n_ok, other=0).to(tl.float32)
+            s = tl.load(S + g * stride_s + n, mask=n_ok, other=0).to(tl.float32)
         return packed, z, s
 
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel per row bucket: none compiles inside a capture
@@ -177,14 +184,8 @@ if triton is not None:
         acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
         for b in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
             k0 = b * BLOCK_K
-            if EVEN:
-                packed = tl.load(QW + (k0 // 8 + i)[:, None] * stride_q + n[None, :])
-                g = k0 // GROUP
-                z = tl.load(Z + g * stride_z + n).to(tl.float32)
-                s = tl.load(S + g * stride_s + n).to(tl.float32)
-            else:
-                packed, z, s = _packed_block(QW, Z, S, k0, n, n_ok, K, GROUP, stride_q, stride_z, stride_s,
-                                             BLOCK_K)
+            packed, z, s = _packed_block(QW, Z, S, k0, n, n_ok, K, GROUP, stride_q, stride_z, stride_s, BLOCK_K,
+                                         EVEN)
             t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
             xsum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
             # the block's inputs in one load, split in registers into the 8 nibbles' columns (8 strided loads of
