@@ -23,16 +23,12 @@ PROFILES = {
 }
 
 
-KNOWN = False  # --known-costs: each reply starts from every depth's cost (the engine keeps the costs a reply
-# measured for the next one, fixed depths' cycles included: in the bench the fixed rows run before auto's)
-
-
-def reply(profile, depth, n: int, seed: int, trace: list | None = None) -> float:
-    """Tokens per second of one n-token reply at `depth` (an int, or "auto"); trace: gets each cycle's
-    (token index, depth, the chooser's acceptance estimates and costs before the pick, its why)."""
-    chooser = DepthChooser(4, mean_first=True)
-    if KNOWN:
-        chooser.cost = dict(COST_MS)
+def reply(profile, depth, n: int, seed: int, known: bool = False, trace: list | None = None) -> float:
+    """Tokens per second of one n-token reply at `depth` (an int, or "auto"). known (--known-costs): the reply
+    starts from every depth's cost, as the engine keeps the costs a reply measured for the next one (fixed
+    depths' cycles included: in the bench the fixed rows run before auto's). trace: gets each cycle's (token
+    index, depth, the chooser's acceptance estimates and costs before the pick, its why)."""
+    chooser = DepthChooser(4, mean_first=True, cost=dict(COST_MS) if known else {})
     made, ms = 0, 0.0
     while made < n:
         before = (list(chooser.acceptance), chooser.costs())
@@ -50,17 +46,17 @@ def reply(profile, depth, n: int, seed: int, trace: list | None = None) -> float
     return made / ms * 1e3
 
 
-def bench_row(profile, depth, n: int, repeat: int, seed: int) -> float:
+def bench_row(profile, depth, n: int, repeat: int, seed: int, known: bool = False) -> float:
     # (the draws are the run's seed's: here a row's repeats are one reply again, in a bench they differ only in
     # timing; a longer reply, not more repeats, is what averages the draws)
-    return statistics.mean(reply(profile, depth, n, seed) for _ in range(repeat))
+    return statistics.mean(reply(profile, depth, n, seed, known) for _ in range(repeat))
 
 
-def show_trace(profile, n: int, seed: int) -> None:
+def show_trace(profile, n: int, seed: int, known: bool) -> None:
     """An auto reply's depths over its cycles (run-length: depth x cycles) and the estimates at each cycle that
     left the deepest depth, or came back to it."""
     trace = []
-    reply(profile, "auto", n, seed, trace)
+    reply(profile, "auto", n, seed, known, trace)
     runs = []
     for _, k, *_ in trace:
         if runs and runs[-1][0] == k:
@@ -82,26 +78,25 @@ def main():
     ap.add_argument("--trace", choices=PROFILES, help="for this profile: each run below 0.97, auto's depths")
     ap.add_argument("--known-costs", action="store_true", help="replies start from every depth's cost")
     args = ap.parse_args()
-    global KNOWN
-    KNOWN = args.known_costs
+    known = args.known_costs
     if args.trace:
         profile = PROFILES[args.trace]
         for seed in range(args.runs):
             fixed = max(bench_row(profile, d, args.tokens, 1, seed) for d in range(5))
-            ratio = reply(profile, "auto", args.tokens, seed) / fixed
+            ratio = reply(profile, "auto", args.tokens, seed, known) / fixed
             if ratio < 0.97:
                 print(f"seed {seed}: auto / best row {ratio:.3f}")
-                show_trace(profile, args.tokens, seed)
+                show_trace(profile, args.tokens, seed, known)
         return
     for name, profile in PROFILES.items():
         # in expectation (many seeds): auto against the best fixed depth
-        expected = {d: statistics.mean(reply(profile, d, args.tokens, 10_000 + s) for s in range(400))
+        expected = {d: statistics.mean(reply(profile, d, args.tokens, 10_000 + s, known) for s in range(400))
                     for d in (0, 1, 2, 3, 4, "auto")}
         best = max(range(5), key=expected.get)
         ratios, ideal = [], []
         for seed in range(args.runs):  # one bench run each: a row against the best fixed row of that run
             fixed = max(bench_row(profile, d, args.tokens, args.repeat, seed) for d in range(5))
-            ratios.append(bench_row(profile, "auto", args.tokens, args.repeat, seed) / fixed)
+            ratios.append(bench_row(profile, "auto", args.tokens, args.repeat, seed, known) / fixed)
             ideal.append(bench_row(profile, best, args.tokens, args.repeat, seed) / fixed)
         ratios.sort()
         tenth, ninetieth = ratios[len(ratios) // 10], ratios[len(ratios) * 9 // 10]
