@@ -236,8 +236,8 @@ def test_the_experts_dequantizing_kernel_equals_the_float32_path(triton_device):
 def test_a_long_prefill_through_the_4_bit_experts_equals_the_twin(int4_ckpt, int4_engine):
     """Chunks wider than MOE_ROWWISE_MAX_TOKENS run the block's own forward, so Int4Experts.forward: what
     transformers' experts loop computes on the dequantized weights, bit for bit."""
-    assert_experts_forward_equals_the_twin(int4_engine("q35_moe_act"), load_engine(str(int4_ckpt("q35_moe_act")[1]), device="cpu"),
-                                           int4.Int4Experts)
+    twin = load_engine(str(int4_ckpt("q35_moe_act")[1]), device="cpu")
+    assert_experts_forward_equals_the_twin(int4_engine("q35_moe_act"), twin, int4.Int4Experts)
 
 
 def test_4_bit_experts_take_the_row_wise_path_with_the_reason(int4_engine):

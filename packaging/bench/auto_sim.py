@@ -3,8 +3,8 @@ DepthChooser (autodepth.py) driven by simulated cycles whose costs are the 27B s
 auto27b_v2_h200.json: ms per cycle, verify + draft + commit) and whose acceptance follows the bench's oracle
 profiles, drawn as the bench's OracleDrafter draws them: one seed for every row and repeat of a run, each draw
 keyed by (token index, position), so rows share their luck. A run here is one bench run; runs differ by seed.
-`python3 packaging/bench/auto_sim.py [--known-costs]` (CPU, seconds); `--trace PROFILE`: for each run below 0.97, auto's depths
-over the reply and its estimates at each move off or onto depth 4.
+`python3 packaging/bench/auto_sim.py [--known-costs]` (CPU, seconds); `--trace PROFILE`: for each run below
+0.97, auto's depths over the reply and its estimates at each move off or onto depth 4.
 """
 import argparse
 import statistics
