@@ -51,4 +51,18 @@ def run_tui(model: str | None = None, depth: int | None = None, device: str | No
     # under --tp the warm-up runs on every rank (TPLeader.warm_up), like the chat's requests
     app = MtpChatApp(model=model, depth=depth, device=device, dtype=dtype, loader=loader, think=think)
     app.run()
-    return app.return_code or 0
+    code = app.return_code or 0
+    if app.worker.thread.is_alive():
+        # the engine thread is still inside a load or a step (shutdown waited for it a few seconds): letting the
+        # interpreter finalize under it aborts the process in torch's C++ teardown ("terminate called without
+        # an active exception", exit status 134). Everything the chat keeps is written by now (the store closed
+        # in on_unmount), so the process ends here, with the app's own status.
+        logging.getLogger(__name__).info("quit while the engine thread was busy: exiting at once")
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    return code

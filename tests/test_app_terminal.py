@@ -72,6 +72,14 @@ class Tmux:
                 raise AssertionError(f"timed out waiting for {what}; the screen ({size}):\n{screen}")
             time.sleep(0.1)
 
+    def exit_status(self, timeout: float = 10.0) -> str:
+        """The chat's exit status once it has ended; what the window shows then (stderr) if it is not 0."""
+        deadline = time.monotonic() + timeout
+        while not self.marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status = self.marker.read_text().strip() if self.marker.exists() else "(still running)"
+        return status if status == "0" else f"{status}\n{self.screen()}"
+
     def close(self) -> None:
         subprocess.run([TMUX, "-L", self.socket, "kill-server"], capture_output=True, timeout=10, env=self.env)
 
@@ -124,10 +132,15 @@ def test_alt_keys_sent_as_escape_bytes_set_the_depth_and_type_nothing(tmux):
     assert "mtpchat — keys" not in screen
 
     tmux.send_bytes("11")  # ctrl+q
-    deadline = time.monotonic() + 10
-    while not tmux.marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert tmux.marker.read_text().strip() == "0"
+    assert tmux.exit_status() == "0"
+
+
+def test_quit_while_the_model_loads_exits_cleanly(tmux):
+    # the engine thread is still importing torch and loading when ctrl+q comes: the process must not finalize
+    # under it (that aborted in torch's teardown, exit status 134, on a loaded machine)
+    tmux.wait_for(lambda s: "loading model" in status_line(s), "the loading frame")
+    tmux.send_bytes("11")
+    assert tmux.exit_status() == "0"
 
 
 def run_in_pty(home: Path, columns: int = 100, rows: int = 30):
