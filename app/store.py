@@ -821,9 +821,10 @@ class Store:
         def run(conn: sqlite3.Connection) -> None:
             saved = status
             if chars is not None and status in ("complete", "stopped"):
-                lengths = conn.execute("SELECT length(content), length(reasoning) FROM messages WHERE id = ?",
-                                       (message_id,)).fetchone()
-                if lengths is not None and list(lengths) != chars:
+                # (counted here, not by SQLite: its length() stops at the first NUL, which a model's text may hold)
+                row = conn.execute("SELECT content, reasoning FROM messages WHERE id = ?", (message_id,)).fetchone()
+                lengths = None if row is None else [len(row[0] or ""), len(row[1] or "")]
+                if lengths is not None and lengths != chars:
                     saved = "incomplete"
                     log.warning("reply %s saved shorter than it was shown: %s of %s characters",
                                 message_id, lengths, chars)

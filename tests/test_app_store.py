@@ -211,6 +211,20 @@ def test_a_dropped_chunk_makes_the_reply_incomplete(tmp_path):
     store.close()
 
 
+
+def test_a_reply_holding_a_nul_character_is_saved_complete(tmp_path):
+    # SQLite's length() stops at a NUL: a random-weights model's text held one, and its whole reply was saved
+    # 'incomplete' (the check compared a short count with what was shown)
+    store = Store(tmp_path / "c.sqlite3")
+    conv = store.startup_conversation()
+    message = store.add_message(conv, "assistant", status="streaming")
+    store.append_reply(message, "a\x00b", [1, 2, 3], ["target"] * 3, ["a", "\x00", "b"])
+    store.finish_message(message, "stopped", finish_reason="stop")
+    assert store.flush(5)
+    saved = store.load_conversation(conv).messages[0]
+    assert saved.content == "a\x00b" and saved.status == "stopped"
+    store.close()
+
 # history: search, rename, delete, empty chats -------------------------------------------------------------
 @pytest.mark.parametrize("fts", [True, False], ids=["fts5", "like"])
 def test_search_rename_delete_and_empty_chats(home, fts):
