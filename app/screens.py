@@ -244,6 +244,22 @@ def _cell(value) -> Text:
     return Text(terminal_safe(str(value)))
 
 
+MODEL_COLUMNS = ("name", "family", "params", "MTP", "fits", "context fits", "status")
+CATALOGUE_COLUMNS = ("name", "size", "fits here", "MTP", "context", "status")
+
+
+def fill_table(table: DataTable, labels: tuple[str, ...], rows: list[tuple]) -> None:
+    """Replace a table's rows (keyed by their index), each column as wide as its widest cell. Textual measures
+    new rows on idle and keeps a header line it rendered before that: left to it, the header fell out of line
+    with the rows whenever a frame was drawn between the two (on a loaded machine)."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    table.clear(columns=True)
+    for i, label in enumerate(labels):
+        table.add_column(label, width=max([len(label)] + [row[i].cell_len for row in cells]))
+    for index, row in enumerate(cells):
+        table.add_row(*row, key=str(index))
+
+
 NO_DRAFT = "none"  # the draft list's first entry: no draft model (the model's MTP head, or plain decoding)
 
 
@@ -280,7 +296,7 @@ class ModelPickerScreen(Dialog):
             with TabbedContent(id="models-tabs"):
                 with TabPane("Installed", id="tab-installed"):
                     table = DataTable(id="models-table", cursor_type="row", zebra_stripes=True)
-                    table.add_columns("name", "family", "params", "MTP", "fits", "context fits", "status")
+                    table.add_columns(*MODEL_COLUMNS)
                     yield table
                     yield Label("searching…", id="models-status")
                     with Horizontal(id="models-draft-row"):
@@ -293,7 +309,7 @@ class ModelPickerScreen(Dialog):
                         yield Button("Cancel", id="cancel")
                 with TabPane("Download", id="tab-download"):
                     table = DataTable(id="catalogue-table", cursor_type="row", zebra_stripes=True)
-                    table.add_columns("name", "size", "fits here", "MTP", "context", "status")
+                    table.add_columns(*CATALOGUE_COLUMNS)
                     yield table
                     yield Label("or a repository id (ORG/NAME[@REVISION]):")
                     yield Input(placeholder="Qwen/Qwen3.5-9B", id="download-ref")
@@ -322,21 +338,17 @@ class ModelPickerScreen(Dialog):
 
     def _show(self, candidates: list, error: str | None) -> None:
         self.candidates = candidates
-        table = self.query_one("#models-table", DataTable)
-        table.clear()
-        for index, c in enumerate(candidates):
+        rows = []
+        for c in candidates:
             supported = getattr(c, "supported", True)
             status = "ok" if supported else f"unsupported: {getattr(c, 'reason', '') or '?'}"
             if supported and getattr(c, "reason", None):
                 status = getattr(c, "reason")
-            table.add_row(
-                *map(_cell, (getattr(c, "name", "?"), getattr(c, "family", "?") or "?",
-                             human_count(getattr(c, "params", None)), str(getattr(c, "mtp_layers", "—")),
-                             _yes(getattr(c, "fits_device", None)),
-                             fit_text(getattr(c, "context_fits", None), getattr(c, "context_limit", None)),
-                             status)),
-                key=str(index),
-            )
+            rows.append((getattr(c, "name", "?"), getattr(c, "family", "?") or "?",
+                         human_count(getattr(c, "params", None)), str(getattr(c, "mtp_layers", "—")),
+                         _yes(getattr(c, "fits_device", None)),
+                         fit_text(getattr(c, "context_fits", None), getattr(c, "context_limit", None)), status))
+        fill_table(self.query_one("#models-table", DataTable), MODEL_COLUMNS, rows)
         status = self.query_one("#models-status", Label)
         if error:
             status.update(Text(terminal_safe(f"discovery failed: {error}")))
@@ -415,14 +427,14 @@ class ModelPickerScreen(Dialog):
 
     def _show_catalogue(self, fits: list, error: str | None) -> None:
         self.catalogue = fits
-        table = self.query_one("#catalogue-table", DataTable)
-        table.clear()
-        for index, f in enumerate(fits):
+        rows = []
+        for f in fits:
             e = f.entry
             refused = e.unsupported()
             status = f"not yet: {e.format} not supported" if refused else ("ok" if f.fits else f.reason)
-            table.add_row(*map(_cell, (e.name, f"{e.approx('download_gb')}{e.download_gb:g} GB", _yes(f.fits),
-                                       _yes(e.mtp), format_tokens(e.context), status)), key=str(index))
+            rows.append((e.name, f"{e.approx('download_gb')}{e.download_gb:g} GB", _yes(f.fits), _yes(e.mtp),
+                         format_tokens(e.context), status))
+        fill_table(self.query_one("#catalogue-table", DataTable), CATALOGUE_COLUMNS, rows)
         if error:
             self._say(f"could not size the catalogue: {error}")
 

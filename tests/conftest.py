@@ -1,3 +1,4 @@
+import gc
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,6 +13,16 @@ from fixtures import memo, write_checkpoint  # noqa: E402
 # One intra-op thread: the tiny models' ops are small, and on CPU cores shared with other work torch's threads
 # busy-wait for each other (measured here: a sampled 6-token reply 31 ms with 1 thread, 610 ms with 2).
 torch.set_num_threads(1)
+
+
+
+@pytest.fixture(autouse=True)
+def unfrozen_heap():
+    """The chat's worker freezes the heap after each load (app/worker.settle_heap): what a test leaves must not
+    stay frozen, out of the collector's reach, for the rest of the session."""
+    yield
+    gc.unfreeze()
+
 
 # name -> (family, options): every released layout the loader must read
 FIXTURES = {

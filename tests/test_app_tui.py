@@ -537,6 +537,38 @@ def test_a_message_sent_during_the_warm_up_is_answered_after_it(home):
     assert posted[-1].reason in ("eos", "length")
 
 
+def test_a_load_freezes_the_heap_and_a_switch_frees_the_old_engine(ckpt):
+    """settle_heap: after a load the collector no longer scans the model's objects (a full collection of them
+    held the GIL for up to 0.4 s mid-reply); a switch unfreezes first, so the engine it replaces is freed even
+    from a reference cycle (one is made here: frozen, it would keep the old model's memory for good)."""
+    import gc
+    import queue
+    import weakref
+
+    from app.worker import EngineLoaded, EngineWorker, SwitchModel
+
+    posted = queue.Queue()
+    worker = EngineWorker(posted.put, str(ckpt("q35")), "cpu", None)
+
+    def next_loaded():
+        while not isinstance(message := posted.get(timeout=60), EngineLoaded):
+            pass
+        return message
+
+    gc.unfreeze()
+    worker.start()
+    try:
+        next_loaded()
+        assert gc.get_freeze_count() > 1000
+        worker.engine.itself = worker.engine
+        old = weakref.ref(worker.engine)
+        worker.submit(SwitchModel(str(ckpt("next"))))
+        next_loaded()
+        assert worker.engine is not None and old() is None
+    finally:
+        worker.shutdown(timeout=10)
+
+
 class FailingWarmUp(ScriptedEngine):
     def warm_up(self, depths, progress):
         raise RuntimeError("ptxas failed\nwith a long log")
