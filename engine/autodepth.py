@@ -63,7 +63,8 @@ class DepthChooser:
     # drafter's estimate moves only while it drafts, so a loser's first cycles must count fully (--drafter auto)
     mean_first: bool = False
     judged: list[int] = field(default_factory=list)  # cycles that judged each position
-    all_accepted: bool = False  # the last cycle drafted, and every draft was accepted
+    # the last cycle drafted and every draft was accepted; before any cycle True: nothing judged, the first drafts
+    all_accepted: bool = True
 
     def __post_init__(self):
         self.acceptance = [PRIOR_ACCEPTANCE] * self.max_depth
@@ -102,8 +103,7 @@ class DepthChooser:
         accepted (or before any cycle) while position k + 1 has been judged fewer than MIN_JUDGED times: a reply
         climbs from the prior a position a cycle, not one per PROBE_EVERY cycles."""
         self.since_probe = self.since_probe + 1 if k < self.max_depth else 0
-        fresh = self.all_accepted or not any(self.judged)  # (the reply's first cycle drafts: nothing judged yet)
-        unknown = k < self.max_depth and fresh and self.judged[k] < MIN_JUDGED
+        unknown = k < self.max_depth and self.all_accepted and self.judged[k] < MIN_JUDGED
         if self.since_probe >= PROBE_EVERY or unknown:
             self.since_probe, k = 0, k + 1
             self.why += f"; probing depth {k}"

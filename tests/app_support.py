@@ -63,6 +63,13 @@ async def wait_reply(pilot, app, timeout: float = 20.0):
     return app.conversation.messages[-1]
 
 
+def next_posted(posted, kind, timeout: float = 60.0):
+    """The next message of `kind` an EngineWorker put into the queue `posted` (the ones before it skipped)."""
+    while not isinstance(message := posted.get(timeout=timeout), kind):
+        pass
+    return message
+
+
 def write_settings(**values) -> Settings:
     settings = Settings(**values)
     save_settings(settings)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from app_support import home  # noqa: F401 (a fixture)
-from app_support import (ScriptedEngine, run_async, scripted, send, wait_loaded, wait_reply, wait_until,
-                         write_settings)
+from app_support import (ScriptedEngine, next_posted, run_async, scripted, send, wait_loaded, wait_reply,
+                         wait_until, write_settings)
 from fixtures import oom_on_the_second_verify
 from textual.widgets import DataTable, Input, Label, Markdown, Select, Static
 
@@ -549,21 +549,15 @@ def test_a_load_freezes_the_heap_and_a_switch_frees_the_old_engine(ckpt):
 
     posted = queue.Queue()
     worker = EngineWorker(posted.put, str(ckpt("q35")), "cpu", None)
-
-    def next_loaded():
-        while not isinstance(message := posted.get(timeout=60), EngineLoaded):
-            pass
-        return message
-
     gc.unfreeze()
     worker.start()
     try:
-        next_loaded()
+        next_posted(posted, EngineLoaded)
         assert gc.get_freeze_count() > 1000
         worker.engine.itself = worker.engine
         old = weakref.ref(worker.engine)
         worker.submit(SwitchModel(str(ckpt("next"))))
-        next_loaded()
+        next_posted(posted, EngineLoaded)
         assert worker.engine is not None and old() is None
     finally:
         worker.shutdown(timeout=10)

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 import transformers as tf
+from app_support import next_posted
 from draft_fixtures import write_perturbed_draft, write_qwen3, write_qwen35_pair, write_tokenizer
 from fixtures import greedy_reference
 from faults import FaultAt, handed_out
@@ -410,19 +411,12 @@ def test_a_draft_that_fails_to_load_leaves_the_model_as_it_was(tmp_path, monkeyp
     posted = queue.Queue()
     worker = EngineWorker(posted.put, str(target), "cpu", None)
     worker.start()
-
-    def next_of(kind):
-        while True:
-            msg = posted.get(timeout=60)
-            if isinstance(msg, kind):
-                return msg
-
     try:
-        next_of(EngineLoaded)
+        next_posted(posted, EngineLoaded)
         worker.submit(SwitchModel(str(target), draft=str(tmp_path / "no-such-draft")))
-        failed = next_of(EngineLoadFailed)
+        failed = next_posted(posted, EngineLoadFailed)
         assert failed.kept == "target" and "no-such-draft" in failed.error
-        next_of(EngineLoaded)
+        next_posted(posted, EngineLoaded)
         assert worker.engine is not None and worker.engine.draft_drafter is None
         assert os.environ[DRAFT_ENV] == ""
     finally:
