@@ -4,9 +4,11 @@ along K, zeros uint8 [G, N], scales [G, N]) dequantized in registers.
 Up to MAX_ROWS rows (decode, verify, graph prefills) one kernel streams the packed weight: each program owns
 BLOCK_N output columns and a slice of K's blocks (BLOCK_K rows inside one group, so one zero / scale row serves a
 block). Three forms compete:
-  - row (decoding's one row): CUDA cores, float32 throughout (_w4a16_row). On the H200 0.150 ms over the 27B
-    shape's seven projections, 1.44-1.93 TB/s of packed bytes, against dot8's 0.243 and bf16 cuBLAS's 0.250
-    (packaging/bench/quant_kernels.py). A thread's share of the tile decides it: 16 words a thread ran at 0.9
+  - row (decoding's one row): CUDA cores, float32 throughout (_w4a16_row). On the H200 0.123 ms over the 27B
+    shape's seven projections, 1.65-2.43 TB/s of packed bytes, against dot8's 0.241 and bf16 cuBLAS's 0.260
+    (packaging/bench/quant_kernels_int4_lane_h200.json). Its bound is instruction issue, not HBM: the loop was
+    648 instructions a 128-row block at (64, 4, 2 warps) in sm_90 SASS (0.150 ms), 495 once each nibble took one
+    LOP3 instead of two and the zero's correction one sum a block instead of an add a nibble. A thread's share of the tile decides it: 16 words a thread ran at 0.9
     TB/s with one K slice per 8 blocks and 1.4-1.9 with one per 4; 64 words a thread ran ten times slower
     (register spills, presumably: not profiled). For verify's 2-8 rows the same kernel over [rows, K / 8, N]
     tiles ran 0.637 ms at four rows against dot8's 0.256 (each row adds an FMA a weight: twice the issue
@@ -43,12 +45,13 @@ if triton is not None:
 MAX_ROWS = 256  # widths up to this run the W4A16 kernel; wider ones dequantize, then cuBLAS
 SELF_CHECK_TOL = 2e-2
 ALL = 1 << 20  # "K blocks per program": all of them (no split: the output is written once, in its dtype)
+NIBBLE = 0xF0000  # the row form's nibble mask, an argument (see _w4a16_row)
 # (BLOCK_N, K blocks per program, warps, stages) per kernel; the first "dot" one is the untimed default
 CONFIGS = {  # (pruned to the configurations that won some shape and width on the H200: quant_kernels_h200.json)
     "dot": [(64, 8, 4, 3), (128, 4, 4, 3), (128, 8, 4, 3), (128, 16, 8, 3), (64, ALL, 4, 3)],
     "dot8": [(64, 8, 4, 3), (128, 8, 4, 3), (128, 4, 4, 3), (128, 16, 8, 3)],
     # (a thread's share of the tile: BLOCK_N * 16 words / (32 * warps): 64 words ran ten times slower than 16)
-    "row": [(64, 4, 2, 3), (64, 8, 4, 3), (128, 4, 2, 3), (32, 4, 1, 3), (64, 4, 4, 3)],
+    "row": [(64, 4, 2, 3), (32, 4, 1, 3), (64, 8, 4, 3), (128, 4, 2, 3), (64, 4, 4, 3)],
 }
 _chosen: dict[tuple, tuple] = {}  # (N, K, group, bucket, device index) -> the timed (kernel, configuration)
 
@@ -168,46 +171,44 @@ if triton is not None:
         return c0, c1, c2, c3, c4, c5, c6, c7
 
     @triton.jit
-    def _w4a16_row(X, QW, Z, S, Y, P, LOCKS, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s,
+    def _w4a16_row(X, QW, Z, S, Y, P, LOCKS, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s, NIBBLE,
                    KS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
         """The CUDA-core form for decoding's one row: no tensor cores, so no shared-memory round trip of the
         unpacked tile (the dot forms' bound: 16 bytes of 16-bit weight a packed word through shared memory).
         Each nibble costs a shift, one LOP3 and one FMA: moved to bits 16-19 and OR-ed under the exponent of
-        128.0 it is the float 128 + q exactly, so x * (128 + q) are exact float32 products; a block's
-        (128 + zero) * sum(x) is subtracted before its scale multiplies, and the columns are summed once, after
-        the last block: sum(x * (q - zero) * scale) in float32 (the weight is never rounded to 16 bits). EVEN:
-        whole blocks and tiles (every real shape), so no masks and 32-bit offsets."""
+        128.0 it is the float 128 + q exactly, so x * (128 + q) are exact float32 products; per block the
+        column sums less (128 + zero) * sum(x), times the scale: sum(x * (q - zero) * scale) in float32 (the
+        weight is never rounded to 16 bits). NIBBLE is 0xF0000 passed at run time: as a constant, the mask and
+        the exponent were two immediates, which LOP3 cannot take together (two LOP3s a nibble). EVEN: whole
+        blocks and tiles (every real shape), so no masks and 32-bit offsets."""
         pn, pk = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         i = tl.arange(0, BLOCK_K // 8)
         n_ok = n < N
-        acc = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for b in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
             k0 = b * BLOCK_K
             packed, z, s = _packed_block(QW, Z, S, k0, n, n_ok, K, GROUP, stride_q, stride_z, stride_s, BLOCK_K,
                                          EVEN)
             t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
-            xsum = tl.zeros((BLOCK_K // 8,), dtype=tl.float32)
-            # the block's inputs in one load, split in registers into the 8 nibbles' columns (8 strided loads of
-            # one column each ran 2-8% slower over the 27B shape's projections)
             kb = k0 + i[:, None] * 8 + tl.arange(0, 8)[None, :]
+            ks = k0 + tl.arange(0, BLOCK_K)
             if EVEN:
                 xb = tl.load(X + kb).to(tl.float32)
+                xs = tl.sum(tl.load(X + ks).to(tl.float32), 0)
             else:
                 xb = tl.load(X + kb, mask=kb < K, other=0.0).to(tl.float32)
+                xs = tl.sum(tl.load(X + ks, mask=ks < K, other=0.0).to(tl.float32), 0)
             xc = _columns8(xb, BLOCK_K // 8)
             for j in tl.static_range(8):
-                x = xc[j]
                 if j < 4:
                     moved = packed << (16 - 4 * j)
                 else:
                     moved = packed >> (4 * j - 16)
-                q = ((moved & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)  # 128 + nibble j
-                t += q * x[:, None]
-                xsum += x
-            acc += (t - xsum[:, None] * (z + 128.0)[None, :]) * s[None, :]
-        total = tl.sum(acc, 0)[None, :]
-        store_tile(Y, P, LOCKS, total, tl.arange(0, 1)[:, None], n[None, :], n_ok[None, :], 1, N, pn)
+                q = ((moved & NIBBLE) | 0x43000000).to(tl.float32, bitcast=True)  # 128 + nibble j
+                t += q * xc[j][:, None]
+            acc += (tl.sum(t, 0) - xs * (z + 128.0)) * s
+        store_tile(Y, P, LOCKS, acc[None, :], tl.arange(0, 1)[:, None], n[None, :], n_ok[None, :], 1, N, pn)
 
     @triton.jit
     def _dequantize(QW, Z, S, W, N, K, GROUP, stride_q, stride_z, stride_s,
@@ -241,8 +242,8 @@ def _launch(x2: torch.Tensor, qweight, zeros, scales, group: int, choice) -> tor
         if M != 1:
             raise ValueError(f"the row form serves one row, not {M}")
         even = N % block_n == 0 and K % bk == 0 and qweight.shape[0] * qweight.stride(0) < 2**31
-        _w4a16_row[(triton.cdiv(N, block_n), slices)](*args, KS=min(ks, blocks), BLOCK_N=block_n, BLOCK_K=bk,
-                                                      EVEN=even, num_warps=warps, num_stages=stages)
+        _w4a16_row[(triton.cdiv(N, block_n), slices)](*args, NIBBLE, KS=min(ks, blocks), BLOCK_N=block_n,
+                                                      BLOCK_K=bk, EVEN=even, num_warps=warps, num_stages=stages)
     elif kind == "dot8":  # (its dots' K is BLOCK_K / 8: tensor cores need 16)
         if bk < 128:
             raise ValueError(f"dot8 needs 128-row K-blocks, not {bk}")
