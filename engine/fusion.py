@@ -28,6 +28,10 @@ GROUPS = (
 )
 
 
+def _kind(lin) -> str:
+    return "int4" if isinstance(lin, Int4Linear) else "fp8" if isinstance(lin, fp8.FP8Linear) else "plain"
+
+
 @torch.no_grad()
 def fuse_layer(layer: torch.nn.Module) -> None:
     modules = dict(layer.named_modules())
@@ -38,21 +42,41 @@ def fuse_layer(layer: torch.nn.Module) -> None:
         linears = [getattr(module, n) for n in names]
         if any(getattr(lin, "bias", None) is not None for lin in linears):  # (the router has none)
             continue
-        if any(isinstance(lin, Int4Linear) for lin in linears):  # 4-bit parts: int4.fuse, or left apart
-            fuse_int4(module, names, linears)
+        kinds = [_kind(lin) for lin in linears]
+        if len(set(kinds)) == 1:
+            _fuse(module, names, linears, kinds[0])
             continue
-        quantized = [isinstance(lin, fp8.FP8Linear) for lin in linears]
-        if any(quantized) and not (all(quantized) and all(lin.out_features % fp8.BLOCK == 0 for lin in linears)):
-            # FP8 parts concatenate with their scale rows only when each part's N is whole 128-row blocks (a
-            # part's last scale row would otherwise cover the next part's rows too); a group mixing FP8 and plain
-            # weights (Qwen3.5's GDN: in_proj_b / in_proj_a stay bf16) has no one dtype: both stay unfused
-            continue
-        fused = _concat(linears, "weight")
-        # a buffer, so that a later module.to(...) converts it with the weights (they then stop sharing memory)
-        module.register_buffer("fused_weight", fused, persistent=False)
-        if all(quantized):
-            module.register_buffer("fused_scale_inv", _concat(linears, "weight_scale_inv"), persistent=False)
-        module.fused_names, module.fused_sizes = names, [lin.weight.shape[0] for lin in linears]
+        # a group mixing kinds (a quantized Qwen3.5's GDN: in_proj_qkv / in_proj_z quantized, in_proj_b /
+        # in_proj_a bf16) fuses each run of one kind: two matmuls instead of four. A module holds one plain or
+        # FP8 fusion (fused_*) besides a 4-bit one (int4_fused): the plain run takes it first, since b and a
+        # (48 rows each) are almost only their launches (cuBLAS's split-K and its reduce: 0.59 ms of a 27B
+        # 4-bit step, H200)
+        runs, start = [], 0
+        for i in range(1, len(names) + 1):
+            if i == len(names) or kinds[i] != kinds[start]:
+                runs.append((names[start:i], linears[start:i], kinds[start]))
+                start = i
+        for run in sorted(runs, key=lambda r: r[2] != "plain"):
+            if len(run[0]) > 1 and not (run[2] != "int4" and hasattr(module, "fused_names")):
+                _fuse(module, *run)
+
+
+def _fuse(module, names: tuple[str, ...], linears: list, kind: str) -> None:
+    """One run of Linear layers of one kind as one weight (4-bit: int4.fuse's module.int4_fused; plain and FP8:
+    module.fused_weight / fused_scale_inv)."""
+    if kind == "int4":
+        fuse_int4(module, names, linears)
+        return
+    if kind == "fp8" and not all(lin.out_features % fp8.BLOCK == 0 for lin in linears):
+        # FP8 parts concatenate with their scale rows only when each part's N is whole 128-row blocks (a part's
+        # last scale row would otherwise cover the next part's rows too)
+        return
+    fused = _concat(linears, "weight")
+    # a buffer, so that a later module.to(...) converts it with the weights (they then stop sharing memory)
+    module.register_buffer("fused_weight", fused, persistent=False)
+    if kind == "fp8":
+        module.register_buffer("fused_scale_inv", _concat(linears, "weight_scale_inv"), persistent=False)
+    module.fused_names, module.fused_sizes = names, [lin.weight.shape[0] for lin in linears]
 
 
 def _concat(linears, attr: str) -> torch.Tensor:
@@ -77,15 +101,27 @@ def fuse_all(layers) -> None:
 
 
 def linears(module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
-    """The outputs of module's Linear layers `names` on x: one matmul when they were fused, else one each."""
-    if getattr(module, "int4_fused_names", None) == names:  # 4-bit parts, concatenated by int4.fuse
-        return list(module.int4_fused(x).split(module.int4_fused_sizes, dim=-1))
-    if getattr(module, "fused_names", None) == names:
-        w = module.fused_weight
-        y = fp8.matmul(x, w, module.fused_scale_inv, getattr(module, "fp8_kernel", None)) if fp8.is_fp8(w) \
-            else F.linear(x, w)
-        return list(y.split(module.fused_sizes, dim=-1))
-    return [getattr(module, n)(x) for n in names]
+    """The outputs of module's Linear layers `names` on x: one matmul per fused run of them, else one each."""
+    runs = []
+    if getattr(module, "int4_fused_names", None):  # 4-bit parts, concatenated by int4.fuse
+        runs.append((module.int4_fused_names, lambda: module.int4_fused(x).split(module.int4_fused_sizes, -1)))
+    if getattr(module, "fused_names", None):
+        def plain_or_fp8():
+            w = module.fused_weight
+            y = fp8.matmul(x, w, module.fused_scale_inv, getattr(module, "fp8_kernel", None)) if fp8.is_fp8(w) \
+                else F.linear(x, w)
+            return y.split(module.fused_sizes, dim=-1)
+        runs.append((module.fused_names, plain_or_fp8))
+    out, i = [], 0
+    while i < len(names):
+        run = next(((n, f) for n, f in runs if names[i : i + len(n)] == n), None)
+        if run is None:
+            out.append(getattr(module, names[i])(x))
+            i += 1
+        else:
+            out.extend(run[1]())
+            i += len(run[0])
+    return out
 
 
 def dense_mlp(mlp, x: torch.Tensor) -> torch.Tensor:

@@ -493,6 +493,18 @@ def test_4_bit_projections_that_read_one_input_are_fused(int4_engine):
     assert torch.equal(torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1), fused(x))
 
 
+def test_a_gdn_mixing_4_bit_and_bf16_projections_fuses_each_kind(int4_engine):
+    from engine.fusion import linears
+
+    gdn = _layer(int4_engine("q35"), "linear_attention").linear_attn
+    names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    assert gdn.int4_fused_names == names[:2] and gdn.fused_names == names[2:]  # two matmuls, not four
+    assert gdn.in_proj_a.weight.data_ptr() == gdn.fused_weight[gdn.in_proj_b.out_features :].data_ptr()
+    x = torch.randn(1, 3, gdn.in_proj_qkv.in_features)
+    for got, want in zip(linears(gdn, names, x), [getattr(gdn, n)(x) for n in names], strict=True):
+        assert torch.equal(got, want)
+
+
 def test_quantize_linears_rounds_to_the_symmetric_grid():
     lin = torch.nn.Linear(256, 48, bias=False)
     model = torch.nn.Sequential(lin)
