@@ -10,6 +10,8 @@ not duplicated and the modules' own forward (transformers' generate(), the bench
 
 from __future__ import annotations
 
+from itertools import groupby
+
 import torch
 import torch.nn.functional as F
 
@@ -42,23 +44,16 @@ def fuse_layer(layer: torch.nn.Module) -> None:
         linears = [getattr(module, n) for n in names]
         if any(getattr(lin, "bias", None) is not None for lin in linears):  # (the router has none)
             continue
-        kinds = [_kind(lin) for lin in linears]
-        if len(set(kinds)) == 1:
-            _fuse(module, names, linears, kinds[0])
-            continue
         # a group mixing kinds (a quantized Qwen3.5's GDN: in_proj_qkv / in_proj_z quantized, in_proj_b /
         # in_proj_a bf16) fuses each run of one kind: two matmuls instead of four. A module holds one plain or
-        # FP8 fusion (fused_*) besides a 4-bit one (int4_fused): the plain run takes it first, since b and a
+        # FP8 fusion (fused_*) besides a 4-bit one (int4_fused): a plain run takes it first, since b and a
         # (48 rows each) are almost only their launches (cuBLAS's split-K and its reduce: 0.59 ms of a 27B
         # 4-bit step, H200)
-        runs, start = [], 0
-        for i in range(1, len(names) + 1):
-            if i == len(names) or kinds[i] != kinds[start]:
-                runs.append((names[start:i], linears[start:i], kinds[start]))
-                start = i
-        for run in sorted(runs, key=lambda r: r[2] != "plain"):
-            if len(run[0]) > 1 and not (run[2] != "int4" and hasattr(module, "fused_names")):
-                _fuse(module, *run)
+        runs = [list(run) for _, run in groupby(zip(names, linears), key=lambda part: _kind(part[1]))]
+        for run in sorted(runs, key=lambda run: _kind(run[0][1]) != "plain"):
+            kind = _kind(run[0][1])
+            if len(run) > 1 and (kind == "int4" or not hasattr(module, "fused_names")):
+                _fuse(module, tuple(n for n, _ in run), [lin for _, lin in run], kind)
 
 
 def _fuse(module, names: tuple[str, ...], linears: list, kind: str) -> None:
@@ -102,26 +97,25 @@ def fuse_all(layers) -> None:
 
 def linears(module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
     """The outputs of module's Linear layers `names` on x: one matmul per fused run of them, else one each."""
-    runs = []
-    if getattr(module, "int4_fused_names", None):  # 4-bit parts, concatenated by int4.fuse
-        runs.append((module.int4_fused_names, lambda: module.int4_fused(x).split(module.int4_fused_sizes, -1)))
-    if getattr(module, "fused_names", None):
-        def plain_or_fp8():
-            w = module.fused_weight
-            y = fp8.matmul(x, w, module.fused_scale_inv, getattr(module, "fp8_kernel", None)) if fp8.is_fp8(w) \
-                else F.linear(x, w)
-            return y.split(module.fused_sizes, dim=-1)
-        runs.append((module.fused_names, plain_or_fp8))
+    runs = [r for r in (getattr(module, "int4_fused_names", None), getattr(module, "fused_names", None)) if r]
     out, i = [], 0
     while i < len(names):
-        run = next(((n, f) for n, f in runs if names[i : i + len(n)] == n), None)
+        run = next((r for r in runs if names[i : i + len(r)] == r), None)
         if run is None:
             out.append(getattr(module, names[i])(x))
-            i += 1
         else:
-            out.extend(run[1]())
-            i += len(run[0])
+            out.extend(_fused_outputs(module, run, x))
+        i += len(run or (None,))
     return out
+
+
+def _fused_outputs(module, run: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if run == getattr(module, "int4_fused_names", None):  # 4-bit parts, concatenated by int4.fuse
+        return module.int4_fused(x).split(module.int4_fused_sizes, dim=-1)
+    w = module.fused_weight
+    y = fp8.matmul(x, w, module.fused_scale_inv, getattr(module, "fp8_kernel", None)) if fp8.is_fp8(w) \
+        else F.linear(x, w)
+    return y.split(module.fused_sizes, dim=-1)
 
 
 def dense_mlp(mlp, x: torch.Tensor) -> torch.Tensor:

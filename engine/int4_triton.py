@@ -8,8 +8,9 @@ block). Three forms compete:
     shape's seven projections, 1.65-2.43 TB/s of packed bytes, against dot8's 0.241 and bf16 cuBLAS's 0.260
     (packaging/bench/quant_kernels_int4_lane_h200.json). Its bound is instruction issue, not HBM: the loop was
     648 instructions a 128-row block at (64, 4, 2 warps) in sm_90 SASS (0.150 ms), 495 once each nibble took one
-    LOP3 instead of two and the zero's correction one sum a block instead of an add a nibble. A thread's share of the tile decides it: 16 words a thread ran at 0.9
-    TB/s with one K slice per 8 blocks and 1.4-1.9 with one per 4; 64 words a thread ran ten times slower
+    LOP3 instead of two and the zero's correction one sum a block instead of an add a nibble. A thread's share
+    of the tile decides it: 16 words a thread ran at 0.9 TB/s with one K slice per 8 blocks and 1.4-1.9 with one
+    per 4 (the form before those two changes); 64 words a thread ran ten times slower
     (register spills, presumably: not profiled). For verify's 2-8 rows the same kernel over [rows, K / 8, N]
     tiles ran 0.637 ms at four rows against dot8's 0.256 (each row adds an FMA a weight: twice the issue
     work at four rows), so it serves one row only;
