@@ -4,7 +4,9 @@ auto27b_v2_h200.json: ms per cycle, verify + draft + commit) and whose acceptanc
 profiles, drawn as the bench's OracleDrafter draws them: one seed for every row and repeat of a run, each draw
 keyed by (token index, position), so rows share their luck. A run here is one bench run; runs differ by seed.
 `python3 packaging/bench/auto_sim.py [--known-costs]` (CPU, seconds); `--trace PROFILE`: for each run below
-0.97, auto's depths over the reply and its estimates at each move off or onto depth 4.
+0.97, auto's depths over the reply and its estimates at each move off or onto depth 4. `--costs cpu-demo`: the demo
+model's on the 2-core CPU instead. A drafting cycle after plain ones also pays the head's catch-up over their
+tokens (`--catch-up`, ms a token); `--noise F`: each cycle's cost off by up to +-F of it, uniformly (a shared CPU).
 """
 import argparse
 import statistics
@@ -13,6 +15,13 @@ from engine.autodepth import DepthChooser
 from engine.drafters import uniform
 
 COST_MS = {0: 14.86, 1: 16.2, 2: 16.4, 3: 16.35, 4: 16.8}  # (depth 1: not in that run; between 0 and 2)
+# the demo model on the 2-core CPU (README: plain 8.2 ms, depth 1 14.0, depth 3 18.7; 2 and 4 in between)
+CPU_MS = {0: 8.2, 1: 14.0, 2: 16.4, 3: 18.7, 4: 21.0}
+# per plain token, what the next drafting cycle pays running the drafter over it (its catch-up): the 27B H200 runs
+# drafted with the oracle (no head). The demo's MTP head on this CPU ran over 16 rows in 0.2-1.5 ms more than over
+# the 1-4 rows every drafting cycle's catch-up covers anyway, at a 16 ms plain step: about 0.05 ms a token at 8.2
+COSTS = {"h200-27b": (COST_MS, 0.0), "cpu-demo": (CPU_MS, 0.05)}
+CATCH_UP_MS, NOISE = 0.0, 0.0  # (main sets them, and COST_MS)
 EASY, HARD = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.0]  # cmd_bench's 'changing' profile
 PROFILES = {
     "flat 1.0": lambda made, n: [1.0] * 4,
@@ -29,7 +38,7 @@ def reply(profile, depth, n: int, seed: int, known: bool = False, trace: list | 
     depths' cycles included: in the bench the fixed rows run before auto's). trace: gets each cycle's (token
     index, depth, the chooser's acceptance estimates and costs before the pick, its why)."""
     chooser = DepthChooser(4, mean_first=True, cost=dict(COST_MS) if known else {})
-    made, ms = 0, 0.0
+    made, ms, backlog = 0, 0.0, 0
     while made < n:
         before = (list(chooser.acceptance), chooser.costs())
         k = chooser.pick() if depth == "auto" else depth
@@ -40,9 +49,13 @@ def reply(profile, depth, n: int, seed: int, known: bool = False, trace: list | 
             flags.append(uniform(seed, made + i, i) < p)  # (OracleDrafter.correct's key)
             if not flags[-1]:
                 break
-        chooser.observe(k, flags, COST_MS[k])
+        cycle_ms = COST_MS[k] * (1 + NOISE * (2 * uniform(seed, made, 99) - 1))
+        if k:  # (the head over the plain cycles' tokens first)
+            cycle_ms, backlog = cycle_ms + CATCH_UP_MS * backlog, 0
+        chooser.observe(k, flags, cycle_ms)
         made += 1 + sum(flags[: flags.index(False)] if False in flags else flags)
-        ms += COST_MS[k]
+        ms += cycle_ms
+        backlog += k == 0
     return made / ms * 1e3
 
 
@@ -77,7 +90,14 @@ def main():
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--trace", choices=PROFILES, help="for this profile: each run below 0.97, auto's depths")
     ap.add_argument("--known-costs", action="store_true", help="replies start from every depth's cost")
+    ap.add_argument("--costs", choices=COSTS, default="h200-27b")
+    ap.add_argument("--catch-up", type=float, help="ms a plain token (default: the --costs one's)")
+    ap.add_argument("--noise", type=float, default=0.0)
     args = ap.parse_args()
+    global COST_MS, CATCH_UP_MS, NOISE
+    COST_MS, CATCH_UP_MS = COSTS[args.costs]
+    CATCH_UP_MS = CATCH_UP_MS if args.catch_up is None else args.catch_up
+    NOISE = args.noise
     known = args.known_costs
     if args.trace:
         profile = PROFILES[args.trace]
