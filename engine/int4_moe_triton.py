@@ -24,7 +24,7 @@ permutes the input columns, here inside the kernel, per pair.
 
 The shared expert is not one of the pairs (moe_triton's inline_shared: the releases keep it 16-bit); moe_triton
 runs it beside. The kernels sit behind the custom op mtpchat::int4_moe_experts (torch.compile traces through,
-CUDA graphs capture them), autotuned per shape on the first call as moe_triton's are (model.moe_check makes it at
+CUDA graphs capture them), autotuned per shape on the first call (model.moe_check makes it at
 load with one row, then holds the path to moe_rowwise's exactly dequantized experts before choosing it).
 """
 

@@ -314,7 +314,7 @@ def moe_check(trunk) -> tuple[str, str]:
             continue
         try:
             with torch.inference_mode():
-                if path == "triton":  # the first call autotunes its kernels: at decoding's one row (moe_triton.py)
+                if path == "triton":  # the first call times its kernels' configurations (moe_triton._tune)
                     MOE_PATHS[path](layer.mlp, x[:, :1])
                 err = relative_error(MOE_PATHS[path](layer.mlp, x), moe_rowwise(layer.mlp, x))
         except Exception as e:  # unsupported dtype, architecture, activation or layout

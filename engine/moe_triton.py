@@ -29,10 +29,11 @@ BLOCK_H below divides 128), so the scale is one value per 128 columns: it multip
 dtype: FP8 with its scales in an FP8 checkpoint, bf16 in a bf16 one.
 
 The kernels sit behind the custom op mtpchat::moe_experts, so torch.compile traces through (fullgraph) and CUDA
-graphs capture them. Block sizes are autotuned per shape (H, I, k) on the first call, which the engine makes
-at load with one row (model.moe_check), long before any capture: decoding's width, where the grid is smallest
-and the choice matters most (tuned on 4 rows, the H200 picked a down-kernel configuration 50% slower at one).
-The width N is not in the key, so every width runs the same configuration and rows stay batch-invariant.
+graphs capture them. Block sizes (and the down kernel's form) are timed per shape (H, I, k, dtype) on the first
+call, which the engine makes at load (model.moe_check), long before any capture: each configuration at one row
+and at four, the two times summed (_tune). Timed on one width alone the choice favoured it: on 4 rows the H200
+picked a down configuration 50% slower at one; on 1 row an FP8 gate / up 29% slower at four. The width is not
+in the key, so every width runs the same configuration and rows stay batch-invariant.
 """
 
 from __future__ import annotations
@@ -45,25 +46,33 @@ import torch.nn.functional as F
 from .fp8 import FP8Experts
 from .fusion import dense_mlp
 from .int4 import Int4Experts
+from .splitk import fastest, output
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the module still imports, available() says no
     triton = None
+else:
+    from .splitk import store_tile
 
-# kernel 1: BLOCK_I intermediate rows (x2: gate and up) by BLOCK_H hidden columns a step; kernel 2: BLOCK_H output
-# rows by up to BLOCK_I intermediate columns. The first configuration of each was the fixed one before autotuning
-# (H200, 80B shape: about 2.5 TB/s): 16 x 256 makes rows of 512 contiguous bytes (bf16) that coalesce, and one
-# token's 10 pairs 320 programs; the others trade program count against bytes in flight per program.
-GATE_UP_CONFIGS = [(16, 256, 4), (8, 256, 4), (8, 512, 4), (4, 512, 4), (4, 256, 4), (16, 512, 8), (8, 1024, 8),
-                   (32, 256, 8)]
-DOWN_CONFIGS = [(8, 512, 4), (4, 512, 4), (2, 512, 4), (8, 512, 8), (16, 512, 8), (8, 256, 4), (16, 256, 4)]
+# kernel 1: BLOCK_I intermediate rows (x2: gate and up) by BLOCK_H hidden columns a step, warps; kernel 2, its form
+# ("rows": BLOCK_H output rows of a token's every pair a program; "split": of one pair, the pairs' partials summed
+# by the last to finish, in routing order), BLOCK_H output rows by up to BLOCK_I intermediate columns, warps.
+# The H200 at the 80B shape, per call inside a CUDA graph at 1 / 4 rows (packaging/bench/moe_configs_h200.json):
+# bf16 gate / up 9.6 / 40.5 us at (2, 1024, 4) against 12.8 / 48.0 at (16, 256, 4), the earlier fixed choice;
+# FP8 down 14.6 us at 4 rows split (16, 512, 2) against 20.1 for the best "rows" form (the split form's 11 x 16
+# programs a token keep more loads in flight than 128 programs each walking 11 pairs).
+GATE_UP_CONFIGS = [(16, 256, 4), (2, 1024, 4), (4, 2048, 4), (8, 2048, 4), (2, 1024, 8), (8, 1024, 8)]
+DOWN_CONFIGS = [("rows", 8, 512, 4), ("rows", 8, 128, 8), ("rows", 16, 128, 8), ("rows", 16, 256, 8),
+                ("rows", 4, 512, 4), ("split", 16, 512, 2), ("split", 32, 256, 4), ("split", 32, 128, 2)]
 # FP8 experts: a tile's rows must lie in one 128-row block of scales (kernel 1's BLOCK_I, kernel 2's BLOCK_H)
-assert all(128 % c[0] == 0 for c in GATE_UP_CONFIGS + DOWN_CONFIGS)
-# Triton's interpreter (CPU tests) cannot time configurations: one configuration, nothing benchmarked
+assert all(128 % c[0] == 0 for c in GATE_UP_CONFIGS) and all(128 % c[1] == 0 for c in DOWN_CONFIGS)
+TUNE_ROWS = (1, 4)  # a configuration's cost: its time at decoding's one row plus at a depth-3 verify's four
+# Triton's interpreter (CPU tests) cannot time configurations: the first of each, nothing timed
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SILU = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["silu"]) modules
+_chosen: dict[tuple, tuple] = {}  # (H, I, K, scaled, dtype, device index) -> (gate / up, down configuration)
 
 
 def available() -> bool:
@@ -79,7 +88,6 @@ def _configs(sets, names):
 
 if triton is not None:
 
-    @triton.autotune(_configs(GATE_UP_CONFIGS, ("BLOCK_I", "BLOCK_H")), key=["H", "I", "K", "SCALED"])
     @triton.jit
     def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, shared_ptr, s_ptr, shared_s_ptr, act_ptr, stride_xn, stride_we,
                         stride_wr, stride_se, stride_sr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
@@ -116,7 +124,6 @@ if triton is not None:
         gate, up = tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1)
         tl.store(act_ptr + pair * I + rows, gate * tl.sigmoid(gate) * up, mask=rows < I)
 
-    @triton.autotune(_configs(DOWN_CONFIGS, ("BLOCK_H", "BLOCK_I")), key=["H", "I", "K", "SCALED"])
     @triton.jit
     def _down_kernel(act_ptr, idx_ptr, weights_ptr, w_ptr, shared_ptr, s_ptr, shared_s_ptr, out_ptr, stride_we,
                      stride_wr, stride_se, stride_sr, stride_on, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
@@ -146,6 +153,41 @@ if triton is not None:
                 acc += tl.load(ptrs + i0, mask=mask, other=0.0).to(tl.float32) * a[None, :]
         out = tl.sum(acc, axis=1)
         tl.store(out_ptr + token * stride_on + rows, out.to(out_ptr.dtype.element_ty), mask=rows < H)
+
+    @triton.jit
+    def _down_split_kernel(act_ptr, idx_ptr, weights_ptr, w_ptr, shared_ptr, s_ptr, shared_s_ptr, out_ptr, part_ptr,
+                           locks_ptr, n_tokens, stride_we, stride_wr, stride_se, stride_sr, K: tl.constexpr,
+                           H: tl.constexpr, I: tl.constexpr, SCALED: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BLOCK_I: tl.constexpr):
+        # grid (token's row block, pair): one pair's BLOCK_H output rows a program; splitk.store_tile has the last
+        # pair to finish sum the K partials in routing order (a token's rows computed alike whatever N is)
+        blocks: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+        tile = tl.program_id(0)
+        token, block = tile // blocks, tile % blocks
+        pair = token * K + tl.program_id(1)
+        rows = block * BLOCK_H + tl.arange(0, BLOCK_H)
+        cols = tl.arange(0, BLOCK_I)
+        e = tl.load(idx_ptr + pair)
+        weight = tl.load(weights_ptr + pair)
+        if e >= 0:
+            base = w_ptr + e * stride_we
+            scales = s_ptr + e * stride_se
+        else:
+            base = shared_ptr
+            scales = shared_s_ptr
+        scales += (block * BLOCK_H // 128) * stride_sr
+        acc = tl.zeros((BLOCK_H, BLOCK_I), dtype=tl.float32)
+        for i0 in tl.static_range(0, I, BLOCK_I):
+            col_ok = i0 + cols < I
+            a = tl.load(act_ptr + pair * I + i0 + cols, mask=col_ok, other=0.0) * weight
+            if SCALED:
+                a = a * tl.load(scales + (i0 + cols) // 128, mask=col_ok, other=0.0)
+            mask = (rows[:, None] < H) & col_ok[None, :]
+            acc += tl.load(base + rows[:, None] * stride_wr + i0 + cols[None, :], mask=mask,
+                           other=0.0).to(tl.float32) * a[None, :]
+        token_row = tl.zeros((1, 1), dtype=tl.int32) + token
+        store_tile(out_ptr, part_ptr, locks_ptr, tl.sum(acc, axis=1)[None, :], token_row, rows[None, :],
+                   rows[None, :] < H, n_tokens, H, tile)
 
     @triton.jit
     def _route_kernel(logits_ptr, weights_ptr, idx_ptr, stride_l, E: tl.constexpr, K: tl.constexpr,
@@ -186,8 +228,9 @@ def route(logits: torch.Tensor, E: int, k: int, norm: bool, shared: bool = False
     weights = torch.empty(N, kp, device=logits.device, dtype=torch.float32)
     idx = torch.empty(N, kp, device=logits.device, dtype=torch.int64)
     if N:
+        # one warp: its reductions are shuffles, no shared-memory round trips (80B shape: 3.5 us against 5.0 at 4)
         _route_kernel[(N,)](logits, weights, idx, logits.stride(0), E=E, K=k, BLOCK_E=triton.next_power_of_2(E),
-                            BLOCK_K=triton.next_power_of_2(k), NORM=norm, SHARED=shared, num_warps=4)
+                            BLOCK_K=triton.next_power_of_2(k), NORM=norm, SHARED=shared, num_warps=1)
     return weights, idx
 
 
@@ -233,16 +276,64 @@ def launch(h: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: t
     else:  # bf16 / float32 weights: any valid pointers (never read)
         gs = sgs = gate_up
         ds = sds = down
+    weights_args = (gate_up, down, shared_gate_up, shared_down, gs, ds, sgs, sds)
+    key = (H, I, K, scaled, gate_up.dtype, h.device.index)
+    if key not in _chosen:
+        _chosen[key] = _tune(H, I, K, weights_args, h) if _tunable(h) else (GATE_UP_CONFIGS[0], DOWN_CONFIGS[0])
+    return _run(h, idx, weights, weights_args, *_chosen[key])
+
+
+def _run(h, idx, weights, weights_args, gate_up_config, down_config) -> torch.Tensor:
+    """The two kernels at one configuration each (launch's operands)."""
+    gate_up, down, shared_gate_up, shared_down, gs, ds, sgs, sds = weights_args
+    (N, H), K, I = h.shape, idx.shape[1], down.shape[2]
+    scaled = gs is not gate_up
     h, idx, weights, act, out = buffers(h, idx, weights, I)
     if N == 0:
         return out
-    _gate_up_kernel[lambda meta: (N * K, triton.cdiv(I, meta["BLOCK_I"]))](
+    block_i, block_h, warps = gate_up_config
+    _gate_up_kernel[(N * K, triton.cdiv(I, block_i))](
         h, idx, gate_up, shared_gate_up, gs, sgs, act, h.stride(0), gate_up.stride(0), gate_up.stride(1),
-        gs.stride(0) if scaled else 0, gs.stride(1) if scaled else 0, K=K, H=H, I=I, SCALED=scaled)
-    _down_kernel[lambda meta: (N, triton.cdiv(H, meta["BLOCK_H"]))](
-        act, idx, weights, down, shared_down, ds, sds, out, down.stride(0), down.stride(1),
-        ds.stride(0) if scaled else 0, ds.stride(1) if scaled else 0, out.stride(0), K=K, H=H, I=I, SCALED=scaled)
+        gs.stride(0) if scaled else 0, gs.stride(1) if scaled else 0, K=K, H=H, I=I, SCALED=scaled,
+        BLOCK_I=block_i, BLOCK_H=block_h, num_warps=warps)
+    form, block_h, block_i, warps = down_config
+    scale_strides = (ds.stride(0), ds.stride(1)) if scaled else (0, 0)
+    if form == "rows":
+        _down_kernel[(N, triton.cdiv(H, block_h))](
+            act, idx, weights, down, shared_down, ds, sds, out, down.stride(0), down.stride(1), *scale_strides,
+            out.stride(0), K=K, H=H, I=I, SCALED=scaled, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=warps)
+        return out
+    tiles = N * triton.cdiv(H, block_h)
+    out, part, locks = output(N, H, K, tiles, h)
+    _down_split_kernel[(tiles, K)](
+        act, idx, weights, down, shared_down, ds, sds, out, part, locks, N, down.stride(0), down.stride(1),
+        *scale_strides, K=K, H=H, I=I, SCALED=scaled, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=warps)
     return out
+
+
+def _tunable(h: torch.Tensor) -> bool:
+    return h.is_cuda and not INTERPRET and not torch.cuda.is_current_stream_capturing()
+
+
+def _tune(H: int, I: int, K: int, weights_args: tuple, like: torch.Tensor) -> tuple:
+    """The fastest gate / up and down configurations for these experts: each timed inside a CUDA graph at
+    TUNE_ROWS rows of random routing (distinct experts a row, as random and real routers mostly give), summed.
+    One configuration serves every width, so a verify pass's rows round as decoding's do (batch invariance); the
+    sum weighs decoding's one row and verify's several alike (the H200's 80B FP8 gate / up: the one-row winner
+    was 24% slower at four rows). Before any capture: model.moe_check makes the first call at load."""
+    E = weights_args[0].shape[0]
+    gen = torch.Generator(device=like.device).manual_seed(0)
+    inputs = []
+    for n in TUNE_ROWS:
+        h = torch.randn(n, H, generator=gen, device=like.device).to(like.dtype)
+        idx = torch.stack([torch.randperm(E, generator=gen, device=like.device)[:K] for _ in range(n)])
+        if weights_args[2] is not weights_args[0]:  # a shared expert: the last pair, as route() places it
+            idx[:, -1] = -1
+        inputs.append((h, idx, torch.full((n, K), 1.0 / K, device=like.device)))
+    default_down, default_gate_up = DOWN_CONFIGS[0], GATE_UP_CONFIGS[0]
+    gate_up = fastest(GATE_UP_CONFIGS, lambda c: [_run(*x, weights_args, c, default_down) for x in inputs])
+    down = fastest(DOWN_CONFIGS, lambda c: [_run(*x, weights_args, gate_up, c) for x in inputs])
+    return gate_up, down
 
 
 @torch.library.custom_op("mtpchat::moe_experts", mutates_args=())

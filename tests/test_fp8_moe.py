@@ -212,10 +212,16 @@ def test_fp8_expert_kernels_match_rowwise(device, shape, inline, dtype, tol, n):
 
 
 @pytest.mark.gpu
-def test_fp8_expert_rows_do_not_depend_on_the_batch(device):
-    """Bit for bit: a verify pass's rows equal decoding them one at a time (the shared expert inside)."""
+@pytest.mark.parametrize("down", [None, ("split", 16, 512, 2)])
+def test_fp8_expert_rows_do_not_depend_on_the_batch(device, down, monkeypatch):
+    """Bit for bit: a verify pass's rows equal decoding them one at a time (the shared expert inside), in the
+    down kernel's form the tuner picks and in the split form (a program per pair, block scales per pair)."""
+    import engine.moe_triton as moe_triton_module
     from engine.moe_triton import moe_experts
 
+    if down:
+        monkeypatch.setattr(moe_triton_module, "_chosen", {})
+        monkeypatch.setattr(moe_triton_module, "DOWN_CONFIGS", [down])
     block = fp8_block(BLOCKS, torch.float32, device, inline=True)
     ex, shared = block.experts, block.shared_expert
     h = torch.randn(4, BLOCKS["hidden_size"], generator=torch.Generator(device).manual_seed(1), device=device)
@@ -225,6 +231,7 @@ def test_fp8_expert_rows_do_not_depend_on_the_batch(device):
     with torch.inference_mode():
         logits = torch.nn.functional.linear(h, block.fused_weight)
         whole = moe_experts(h, logits, *args)
+        assert rel_err(whole[None], moe_rowwise(block, h[None])) < 1e-5
         for i in range(h.shape[0]):
             assert torch.equal(moe_experts(h[i:i + 1], logits[i:i + 1], *args), whole[i:i + 1])
 
