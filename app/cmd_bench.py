@@ -42,7 +42,8 @@ def add_parser(sub) -> None:
     p.add_argument("--quant", choices=["bf16", "fp8", "int4"], default="bf16",
                    help="with --random-weights: fp8 quantizes the linears Qwen's FP8 releases quantize (block-128 "
                         "e4m3), int4 the same linears to 4 bits (GPTQ's symmetric grid, groups of 128) (default "
-                        "bf16; a checkpoint's format is its own)")
+                        "bf16; a checkpoint's format is its own, except with --precision: a 16-bit checkpoint "
+                        "against its twin quantized at load)")
     p.add_argument("--depths", type=depth_list, default=[0, 1, 2, 3, 4],
                    help=f"comma-separated speculation depths, each 0 .. {MAX_DEPTH} (default 0,1,2,3,4)")
     p.add_argument("--drafter", default="mtp,oracle",
@@ -365,45 +366,100 @@ PRECISION_PROMPTS = ["Write a short story about a lighthouse keeper.", "What is 
 
 def precision_report(args) -> int:
     """Greedy speculative vs plain output per dtype: float32 must agree exactly; bfloat16 verify passes of
-    several tokens round differently from one-token steps, and this measures how often that changes the text."""
-    from engine import Engine, GenerationSettings, OracleDrafter, Tokens, load_engine, random_model
+    several tokens round differently from one-token steps, and this measures how often that changes the text.
+    With --quant and a 16-bit --model, the model is also quantized at load as the quantized releases are, and its
+    twin's plain text and MTP acceptance are set beside the checkpoint's (vLLM saw MTP acceptance collapse on FP8
+    weights: this measures it)."""
+    from engine import Cycle, Engine, GenerationSettings, OracleDrafter, Tokens, load_engine, random_model
 
     depth = max(spec_depths(args.depths, expand=True) or [0])
 
-    def decode(engine, prompt, d, drafter=None):
+    def decode(engine, prompt, d, drafter=None) -> tuple[list[int], int, int]:
+        """(tokens, drafted, accepted)"""
         s = GenerationSettings(max_new_tokens=args.max_new_tokens, depth=d, ignore_eos=True, reuse=False)
-        return [t for e in engine.generate(prompt, s, drafter=drafter) if isinstance(e, Tokens) for t in e.token_ids]
+        tokens, drafted, accepted = [], 0, 0
+        for e in engine.generate(prompt, s, drafter=drafter):
+            tokens += e.token_ids if isinstance(e, Tokens) else []
+            drafted += e.drafted if isinstance(e, Cycle) else 0
+            accepted += e.accepted if isinstance(e, Cycle) else 0
+        return tokens, drafted, accepted
 
-    report, flags = {}, _engine_flags(args)
-    head = {"model": args.random_weights or args.model, "device": args.device, "depth": depth,
-            "compiled": bool(args.compile), "max_new_tokens": args.max_new_tokens, "command": command_line(args)}
-    for dtype in ("float32", "bfloat16"):
+    def build(dtype: str, quant: str):
         if args.random_weights:
-            engine = Engine(random_model(args.random_weights, args.layers, args.device, dtype), None, set(), **flags)
-            prompts = [[(7 * i + j) % 1000 + 1 for j in range(32)] for i in range(len(PRECISION_PROMPTS))]
-        else:
-            engine = load_engine(args.model, args.device, dtype, **flags)
-            prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in PRECISION_PROMPTS]
-        rows = []
+            return Engine(random_model(args.random_weights, args.layers, args.device, dtype, quant=quant), None,
+                          set(), **flags)
+        return load_engine(args.model, args.device, dtype, quantize=None if quant == "bf16" else quant, **flags)
+
+    def runs(engine, prompts) -> dict:
+        """Per prompt: plain tokens, then each drafter's run at `depth` against them."""
+        rows, plains = [], []
         for prompt in prompts:
-            plain = decode(engine, prompt, 0)
+            plain = decode(engine, prompt, 0)[0]
+            plains.append(plain)
             drafters = {"oracle@1": OracleDrafter(plain, len(prompt), 0.0, engine.trunk.config.vocab_size)}
             if engine.mtp_drafter is not None:
                 drafters["mtp"] = None
             for name, drafter in drafters.items():
-                spec = decode(engine, prompt, depth, drafter)
+                spec, drafted, accepted = decode(engine, prompt, depth, drafter)
                 first = next((i for i, (a, b) in enumerate(zip(plain, spec)) if a != b), None)
-                rows.append({"drafter": name, "identical": spec == plain, "first_divergence": first})
+                rows.append({"drafter": name, "identical": spec == plain, "first_divergence": first,
+                             "drafted": drafted, "accepted": accepted})
+        mtp = [r for r in rows if r["drafter"] == "mtp"]
+        drafted = sum(r["drafted"] for r in mtp)
+        return {"rows": rows, "plain": plains,
+                "mtp_acceptance": sum(r["accepted"] for r in mtp) / drafted if drafted else None}
+
+    twin = args.quant != "bf16" and not args.random_weights  # (random builds differ between formats)
+    report, flags = {}, _engine_flags(args)
+    head = {"model": args.random_weights or args.model, "device": args.device, "depth": depth, "quant": args.quant,
+            "compiled": bool(args.compile), "max_new_tokens": args.max_new_tokens, "command": command_line(args)}
+    for dtype in ("float32", "bfloat16"):
+        checkpoint = None
+        if twin:  # the checkpoint as it is first, freed before its quantized twin loads
+            engine = build(dtype, "bf16")
+            prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in PRECISION_PROMPTS]
+            checkpoint = runs(engine, prompts)
+            del engine
+        engine = build(dtype, args.quant)
+        if args.random_weights:
+            prompts = [[(7 * i + j) % 1000 + 1 for j in range(32)] for i in range(len(PRECISION_PROMPTS))]
+        elif not twin:
+            prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in PRECISION_PROMPTS]
+        measured = runs(engine, prompts)
+        del engine
+        rows = measured["rows"]
         diverged = [r["first_divergence"] for r in rows if not r["identical"]]
         report[dtype] = {"runs": len(rows), "identical_share": sum(r["identical"] for r in rows) / len(rows),
-                         "first_divergence": diverged, "rows": rows}
-        del engine
+                         "first_divergence": diverged, "mtp_acceptance": measured["mtp_acceptance"], "rows": rows}
+        if checkpoint is not None:
+            pairs = list(zip(checkpoint["plain"], measured["plain"]))
+            firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in pairs]
+            report[dtype]["vs_checkpoint"] = {
+                "plain_identical_share": sum(x == y for x, y in pairs) / len(pairs),
+                "first_divergence": [f for f in firsts if f is not None],
+                "mtp_acceptance": checkpoint["mtp_acceptance"],
+                "speculative_identical_share": sum(r["identical"] for r in checkpoint["rows"]) / len(checkpoint["rows"])}
         if args.out:  # what is measured so far survives a failure of the next dtype
             write_json(args.out, {**head, "complete": False, "precision": report})
     result = {**head, "complete": True, "precision": report}
-    return emit(result, args, "\n".join(
-        f"{dtype:>9}: {100 * r['identical_share']:.0f}% of {r['runs']} speculative runs (depth {depth}) "
-        f"identical to plain; first divergence at {r['first_divergence'] or '-'}" for dtype, r in report.items()))
+    return emit(result, args, "\n".join(_precision_lines(dtype, r, depth, args.quant) for dtype, r in report.items()))
+
+
+def _precision_lines(dtype: str, r: dict, depth: int, quant: str) -> str:
+    def share(x):
+        return f"{100 * x:.0f}%"
+
+    def rate(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    line = (f"{dtype:>9}: {share(r['identical_share'])} of {r['runs']} speculative runs (depth {depth}) identical to "
+            f"plain; first divergence at {r['first_divergence'] or '-'}; MTP acceptance {rate(r['mtp_acceptance'])}")
+    twin = r.get("vs_checkpoint")
+    if twin:
+        line += (f"\n{'':>9}  {quant} plain text identical to the checkpoint's in {share(twin['plain_identical_share'])}"
+                 f" of prompts (first divergence at {twin['first_divergence'] or '-'}); MTP acceptance "
+                 f"{rate(r['mtp_acceptance'])} against the checkpoint's {rate(twin['mtp_acceptance'])}")
+    return line
 
 
 def command_line(args) -> str:
@@ -528,8 +584,9 @@ def _check_args(args) -> None:
         raise EngineError("--draft-layers: only with --draft-model random:PRESET (a checkpoint's layers are its own)")
     if args.model and args.random_weights:
         raise EngineError("--model and --random-weights: give one or the other")
-    if args.quant != "bf16" and not args.random_weights:
-        raise EngineError(f"--quant {args.quant}: only with --random-weights (a checkpoint's format is its own)")
+    if args.quant != "bf16" and not args.random_weights and not args.precision:
+        raise EngineError(f"--quant {args.quant}: only with --random-weights or --precision (a checkpoint's format "
+                          f"is its own)")
     if args.quant == "fp8" and args.tp and args.tp > 1:  # (int4: each rank quantizes its own shard)
         raise EngineError("--quant fp8 with --tp: FP8 under tensor parallelism is not supported yet")
     if args.random_weights and args.random_weights not in PRESETS:

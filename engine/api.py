@@ -626,7 +626,7 @@ def load_engine(path: str | None = None, device: str | None = None, dtype: str |
                 cuda_graphs: bool | None = None, tp=None, compile: bool | None = None,
                 max_context: int | None = None, draft_model: str | None = None,
                 drafter: str | None = None, mtp_from: str | None = None,
-                embed_on_host: str | None = None) -> Engine:
+                embed_on_host: str | None = None, quantize: str | None = None) -> Engine:
     """Load `path`, or the best model discovered; out of memory at load moves on to the next candidate.
     tp: a tp.TPGroup: this process is one rank of a tensor-parallel group and loads only its shard.
     max_context: cap the context (and so the KV cache's memory) at this many tokens.
@@ -635,7 +635,8 @@ def load_engine(path: str | None = None, device: str | None = None, dtype: str |
     mtp_from: another release of the model whose mtp.* tensors make the MTP head (default: MTPCHAT_MTP_FROM,
     which `--mtp-from` sets; model.load).
     embed_on_host: auto | on | off, the input embedding table in page-locked host memory (default:
-    MTPCHAT_EMBED_ON_HOST, which `--embed-on-host` sets, else auto; host_embedding.py)."""
+    MTPCHAT_EMBED_ON_HOST, which `--embed-on-host` sets, else auto; host_embedding.py).
+    quantize: "fp8" | "int4": a 16-bit checkpoint quantized at load as the quantized releases are (model.load)."""
     check_max_context(max_context)  # before the (slow) load
     embed_on_host = check_mode(embed_on_host, "embed_on_host")
     draft_model = draft_model or os.environ.get("MTPCHAT_DRAFT_MODEL") or None
@@ -643,13 +644,13 @@ def load_engine(path: str | None = None, device: str | None = None, dtype: str |
     mtp_from = mtp_from or os.environ.get("MTPCHAT_MTP_FROM") or None
     if path is not None:
         return _with_draft(_load_engine(path, device, dtype, cuda_graphs, tp, compile, max_context, mtp_from,
-                                        embed_on_host), draft_model, drafter)
+                                        embed_on_host, quantize), draft_model, drafter)
     notes, tried = [], set()
     while True:
         candidate = default_model_path(exclude=tried)
         try:
             engine = _load_engine(candidate, device, dtype, cuda_graphs, tp, compile, max_context, mtp_from,
-                                  embed_on_host)
+                                  embed_on_host, quantize)
         except (torch.OutOfMemoryError, EngineError) as e:  # the next candidate, with the reason on record
             tried.add(candidate)
             if torch.cuda.is_available():
@@ -673,8 +674,8 @@ def _with_draft(engine: Engine, draft_model: str | None, drafter: str | None) ->
 
 
 def _load_engine(path, device, dtype, cuda_graphs, tp, compile=None, max_context=None, mtp_from=None,
-                 embed_on_host=None) -> Engine:
-    loaded = load(path, device, dtype, tp=tp, mtp_from=mtp_from, embed_on_host=embed_on_host)
+                 embed_on_host=None, quantize=None) -> Engine:
+    loaded = load(path, device, dtype, tp=tp, mtp_from=mtp_from, embed_on_host=embed_on_host, quantize=quantize)
     root = Path(loaded.path)
     tok = load_tokenizer(root)
     return Engine(loaded, tok, stop_ids_for(root, tok, loaded.raw_config), cuda_graphs, compile, max_context)

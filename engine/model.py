@@ -20,7 +20,7 @@ from .events import Fallback
 from .fusion import dense_mlp, fuse_all, linears
 from .families import (LAYER_KINDS, Family, convert_gdn_layout, family_for, fuse_experts, mtp_layers_declared,
                        sliding_window)
-from .modules import DequantizingExperts
+from .modules import DequantizingExperts, quantize_like_releases
 from .rotating_cache import RotatingKV
 from .kernels import Backends, relative_error, select_backends
 
@@ -574,8 +574,10 @@ def default_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
 
 
 def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp_from=None,
-         embed_on_host: str | None = None) -> Loaded:
+         embed_on_host: str | None = None, quantize: str | None = None) -> Loaded:
     """tp: a tp.TPGroup: load only this rank's shard (see tp.py); None: the whole model on one device.
+    quantize: "fp8" | "int4": a 16-bit checkpoint's weights (its MTP head's too) quantized as the quantized
+    releases are (modules.quantize_like_releases): `bench --precision --quant`'s twin of the checkpoint.
     mtp_from: another release of the same model whose mtp.* tensors make the MTP head (mtp_from.py); a head that
     does not fit this model is then refused (EngineError), not a fallback.
     embed_on_host: auto | on | off: the input embedding table in page-locked host memory (host_embedding.py;
@@ -600,6 +602,8 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp
     files = TensorFiles.open(root)
     files.fp8 = fp8_checkpoint(raw)
     files.int4 = int4_scheme(raw)
+    if quantize not in (None, "bf16") and (files.fp8 or files.int4 is not None or tp is not None):
+        raise EngineError(f"{where}: quantizing at load ({quantize}) takes a 16-bit checkpoint on one device")
     mislabelled = fp8_without_fp8_weights(raw, files.dtype_of) or int4_without_int4_weights(raw, files.file_of)
     if mislabelled:
         raise EngineError(f"{where}: {mislabelled}")
@@ -643,6 +647,7 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp
     lm.load_state_dict({k: v if fp8.keeps_dtype(k, v) else v.to(dt) for k, v in sd.items()}, strict=True,
                        assign=True)
     del tensors, sd  # the modules hold the weights now; fusing below then frees each original after its copy
+    quantize_like_releases(lm, quantize or "bf16")
     # Non-persistent buffers (rotary frequencies) are not in the checkpoint: build them for real. The family's
     # own rotary module stays for transformers' generate() (the bench baseline); the engine uses its own.
     lm.model.rotary_emb = type(lm.model.rotary_emb)(config=cfg)
@@ -683,7 +688,7 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp
     else:
         n_mtp = declared or len({k.split(".")[2] for k in mtp_keys if k.startswith("mtp.layers.")})
         try:
-            mtp = MTPHead.build(family, cfg, trunk, n_mtp, mtp_keys, head_files, dt)
+            mtp = MTPHead.build(family, cfg, trunk, n_mtp, mtp_keys, head_files, dt, quantize or "bf16")
         except MTPUnusable as e:  # the trunk still chats: plain decoding, with the reason
             if mtp_from is not None:  # asked for by name: refused, not silently dropped
                 raise EngineError(f"--mtp-from {head_files.root}: {e}") from None

@@ -1,5 +1,6 @@
 """Replacing a submodule by its dotted path (the quantized loaders turn meta nn.Linear / experts modules into
-their quantized forms before the state dict is loaded), and what the quantized experts modules share."""
+their quantized forms before the state dict is loaded), what the quantized experts modules share, and quantizing
+a 16-bit model as the quantized releases are."""
 
 from __future__ import annotations
 
@@ -42,3 +43,22 @@ def child(model: nn.Module, path: str) -> tuple[nn.Module | None, str, nn.Module
 def plain_linear(module, shape: tuple[int, int]) -> bool:
     """A bias-free nn.Linear (not a subclass) whose weight is [N, K] = shape."""
     return type(module) is nn.Linear and module.bias is None and tuple(module.weight.shape) == tuple(shape)
+
+
+QUANTIZATIONS = ("bf16", "fp8", "int4")
+
+
+def quantize_like_releases(module: nn.Module, quant: str) -> None:
+    """Quantize module's weights in place as the quantized checkpoints hold them. "fp8": the linears Qwen's FP8
+    releases quantize become fp8.FP8Linear, routed experts fp8.FP8Experts; "int4": the same linears 4-bit
+    (int4.quantize_linears), experts stay in the model dtype; "bf16": nothing. The bench's random-weight models
+    and `bench --precision --quant`'s twin of a 16-bit checkpoint."""
+    if quant == "fp8":
+        from .fp8 import quantize_experts, quantize_linears
+
+        quantize_linears(module)
+        quantize_experts(module)
+    elif quant == "int4":
+        from .int4 import quantize_linears
+
+        quantize_linears(module)

@@ -17,6 +17,7 @@ from .cache import KVCache
 from .errors import EngineError
 from .families import fuse_experts
 from .fusion import fuse_all
+from .modules import quantize_like_releases
 from .fp8_triton import install as install_fp8
 from .norm_triton import install as install_norms
 
@@ -50,7 +51,8 @@ class MTPHead(nn.Module):
         return c
 
     @classmethod
-    def build(cls, family, config, trunk, n_layers, keys, files, dtype) -> "MTPHead":
+    def build(cls, family, config, trunk, n_layers, keys, files, dtype, quantize: str = "bf16") -> "MTPHead":
+        """The head from its mtp.* tensors `keys` in `files`, bound to trunk; quantize: as model.load's."""
         if n_layers != 1:  # loading more would keep weights no step runs
             raise MTPUnusable(f"the checkpoint declares {n_layers} MTP layers; mtpchat drafts with one-layer MTP "
                               f"heads (every released Qwen3-Next / Qwen3.5 head has one)")
@@ -87,6 +89,7 @@ class MTPHead(nn.Module):
                 raise MTPUnusable(f"MTP tensor 'mtp.{k}' has shape {tuple(sd[k].shape)}, expected {tuple(t.shape)}")
         head.load_state_dict({k: v if fp8.keeps_dtype(k, v) else v.to(dtype) for k, v in sd.items()}, strict=True,
                              assign=True)
+        quantize_like_releases(head, quantize)
         head.to(trunk.device).eval()
         return head.attach(trunk)
 

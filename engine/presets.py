@@ -9,6 +9,7 @@ from .events import Fallback
 from .families import SUPPORTED
 from .kernels import select_backends
 from .model import Loaded, Rotary, Trunk, default_device_dtype, layer_slots
+from .modules import quantize_like_releases
 
 PRESETS = {
     # Qwen3.5-27B (dense): 64 layers, 3 GDN : 1 attention; both real shapes take 262,144 positions (their
@@ -98,20 +99,6 @@ def plant_next_token_map(embed: torch.Tensor, lm_head: torch.Tensor, rows: tuple
         lm_head[a - start : b - start] = (unit / unit.norm(dim=-1, keepdim=True)).to(lm_head.dtype)
 
 
-def _quantize(module: torch.nn.Module, quant: str) -> None:
-    """As quantized checkpoints load. "fp8": linears FP8Linear, routed experts FP8Experts; "int4": the same linears
-    4-bit (int4.quantize_linears), experts stay in the model dtype; "bf16": nothing."""
-    if quant == "fp8":
-        from .fp8 import quantize_experts, quantize_linears
-
-        quantize_linears(module)
-        quantize_experts(module)
-    elif quant == "int4":
-        from .int4 import quantize_linears
-
-        quantize_linears(module)
-
-
 @torch.no_grad()
 def _materialise(lm, modules: list, device: torch.device) -> None:
     """Give `modules` (their own tensors only: recurse=False) real storage on `device`, initialised as post_init
@@ -146,10 +133,10 @@ def _build_layerwise(family, cfg, has_experts: bool, with_mtp: bool, device: tor
     lm.tie_weights(recompute_mapping=False)  # to_empty gave lm_head and the embedding each new tensors: re-tie them
     for layer in lm.model.layers:
         _materialise(lm, list(layer.modules()), device)
-        _quantize(layer, quant)
+        quantize_like_releases(layer, quant)
     if head is not None:
         _materialise(lm, list(head.modules()), device)
-        _quantize(head, quant)
+        quantize_like_releases(head, quant)
     return lm, head
 
 
@@ -204,7 +191,7 @@ def random_model(preset: str, layers: int | None, device: str | None, dtype: str
     lm.eval()
     if not layerwise:  # (_build_layerwise quantized each layer as it built it)
         for module in (lm, *heads):
-            _quantize(module, quant)
+            quantize_like_releases(module, quant)
     embedding, refused = _place_embedding(lm, dev, bool(kw.get("tie_word_embeddings")), quant, group)
     fallbacks += [refused] if refused else []
     kinds = list(lcfg.layer_types)

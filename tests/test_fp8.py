@@ -10,7 +10,7 @@ from engine import fp8, load_engine
 from engine.errors import EngineError
 from engine.model import load
 from fixtures import damaged_copy, memo, write_checkpoint, write_fp8_checkpoint
-from test_exactness import assert_greedy_equals_transformers, assert_speculation_equals_plain
+from test_exactness import PROMPTS, assert_greedy_equals_transformers, assert_speculation_equals_plain, decode
 
 # hidden 128, every projection's N a multiple of 128: whole blocks, the fused FP8 projections concatenate
 BLOCKS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
@@ -243,3 +243,38 @@ def test_tp_over_fp8_weights_whose_shards_split_a_block_is_one_line(fp8_ckpt):
 
     with pytest.raises(EngineError, match="not whole 128-blocks"):
         launch(_tp_rank, {"path": str(fp8_ckpt("next")[0]), "out": "/nonexistent"}, 2, "cpu", timeout_s=120)
+
+
+@pytest.mark.parametrize("name", ["next", "next_moe", "q35"])
+def test_a_16_bit_checkpoint_quantized_at_load_decodes_as_its_fp8_release(name, fp8_ckpt, fp8_engine):
+    """load(quantize="fp8") (bench --precision --quant fp8's twin) quantizes what Qwen's FP8 releases quantize,
+    as they do: the engine decodes, plain and with its MTP head, exactly as it decodes the FP8 checkpoint written
+    from the same 16-bit one (per-expert experts included)."""
+    release = fp8_engine(name)
+    twin = load_engine(str(fp8_ckpt(name)[0].parent / "src"), device="cpu", dtype="float32", quantize="fp8")
+    assert twin.mtp_drafter is not None
+    assert sum(isinstance(m, fp8.FP8Linear) for m in twin.trunk.lm.modules()) == \
+        sum(isinstance(m, fp8.FP8Linear) for m in release.trunk.lm.modules()) > 0
+    prompt = release.encode_chat(PROMPTS[0])
+    for depth in (0, 3):
+        assert decode(twin, prompt, depth=depth)[0] == decode(release, prompt, depth=depth)[0]
+
+
+def test_quantizing_an_fp8_checkpoint_again_is_refused_in_one_line(fp8_ckpt):
+    with pytest.raises(EngineError, match="takes a 16-bit checkpoint") as e:
+        load(str(fp8_ckpt("next")[0]), device="cpu", quantize="fp8")
+    assert "\n" not in str(e.value)
+
+
+def test_bench_precision_sets_the_fp8_twin_beside_the_checkpoint(fp8_ckpt, capsys):
+    from app.cli import main
+
+    src = str(fp8_ckpt("next")[0].parent / "src")
+    assert main(["bench", "--precision", "--quant", "fp8", "--model", src, "--depths", "3", "--max-new-tokens", "8",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["precision"]
+    exact = report["float32"]
+    assert exact["identical_share"] == 1.0 and exact["runs"] == 16  # the FP8 twin's speculation: lossless
+    twin = exact["vs_checkpoint"]
+    assert twin["speculative_identical_share"] == 1.0 and 0.0 <= twin["plain_identical_share"] <= 1.0
+    assert 0.0 <= exact["mtp_acceptance"] <= 1.0 and 0.0 <= twin["mtp_acceptance"] <= 1.0

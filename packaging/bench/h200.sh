@@ -27,6 +27,8 @@
 #   bash packaging/bench/h200.sh int4rows # the CUDA-core W4A16 form per call; GPU tests; 27B shape Int4 --compile
 #   bash packaging/bench/h200.sh memory   # what holds the 27B shape's Int4 memory at a 32k prompt's peak
 #   bash packaging/bench/h200.sh gdn      # the GDN recurrent kernel's launch configurations per call (gdn_ops.py)
+#   bash packaging/bench/h200.sh moe      # the routed-expert kernels' configurations per call (moe_configs.py),
+#                                         # their GPU tests; the whole 80B-A3B shape in FP8, compiled
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
 # the device's python3 has none of them.
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
@@ -139,6 +141,13 @@ kernels)  # issues #29 / #23 (about 9 minutes)
         --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_int4_h200.json"
   BENCH_TIMEOUT=150 bench --random-weights qwen3.5-27b --quant fp8 --depths 0,3 --drafter oracle --acceptance 1.0 \
         --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_fp8_h200.json"
+  ;;
+moe)  # issues #23 / #28 (about 9 minutes)
+  timeout 250 python3 packaging/bench/moe_configs.py --json "$OUT/moe_configs_h200.json" 2>&1 | grep -v Warn | tail -30
+  gpu_tests 150 "$OUT/moe_gpu_tests.log" tests/test_moe_triton.py tests/test_fp8_moe.py \
+        -k "batch or every_down or kernel or rowwise or graph or compiles"
+  BENCH_TIMEOUT=330 bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 --drafter oracle \
+        --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_compile_h200.json"
   ;;
 int4)  # issue #29 (about 4 minutes)
   gpu_tests 120 "$OUT/int4_gpu_tests.log" tests/test_int4.py -k "kernel or cuda"

@@ -95,8 +95,17 @@ def precision(path: Path) -> str:
     parts = []
     for dtype, x in r["precision"].items():
         div = x["first_divergence"]
-        parts.append(f"{dtype} {100 * x['identical_share']:.0f}% of {x['runs']} identical to plain"
-                     + (f" (first divergences at tokens {', '.join(map(str, div))})" if div else ""))
+        part = (f"{dtype} {100 * x['identical_share']:.0f}% of {x['runs']} identical to plain"
+                + (f" (first divergences at tokens {', '.join(map(str, div))})" if div else ""))
+        twin = x.get("vs_checkpoint")
+        if x.get("mtp_acceptance") is not None:
+            part += f", MTP acceptance {x['mtp_acceptance']:.2f}"
+            if twin and twin["mtp_acceptance"] is not None:
+                part += f" against the 16-bit checkpoint's {twin['mtp_acceptance']:.2f}"
+        if twin:
+            part += (f", plain text identical to the checkpoint's in {100 * twin['plain_identical_share']:.0f}% of "
+                     f"prompts")
+        parts.append(part)
     return (f"Precision report, **{r['model']}**, depth {r['depth']}, {r['max_new_tokens']} tokens "
             f"(`{r['command']}`): {'; '.join(parts)}.")
 
