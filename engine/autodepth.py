@@ -6,9 +6,11 @@ costs c_k: one verify pass of k + 1 tokens plus k draft steps. Both are measured
 per position as a running mean of the cycles' flags, the cost per depth as a running mean of the cycles' wall time
 (a depth not tried yet is extrapolated from those that were: verify widths cost nearly alike, each draft step
 adds). Depth 0 (plain decoding) wins when acceptance is low or drafting dear. A position past the chosen depth is
-judged by no cycle, so every PROBE_EVERY cycles below the deepest depth one drafts a token deeper: from depth 0, a
+judged by no cycle, so now and then a cycle below the deepest depth drafts a token deeper (a probe): from depth 0, a
 reply whose text becomes predictable again gets speculation back; from depth k, a low estimate at position k + 1
 that a few rejections made is measured again instead of holding the depth below it for the rest of the reply.
+Probes come every PROBE_EVERY cycles where a deeper cycle costs little more, further apart where it is dear, so
+that what they cost over the chosen depth stays about PROBE_SHARE of the time (PROBE_MAX cycles apart at most).
 
 `--drafter auto` (AutoDrafter, DrafterChooser) reuses these estimates, one DepthChooser per drafter: each cycle the
 MTP head or the draft model, whichever has the higher expected tokens per second at the cycle's depth.
@@ -26,6 +28,13 @@ from .limits import MAX_DEPTH
 PRIOR_ACCEPTANCE = 0.6  # before any cycle: what released MTP heads reach at the first position, roughly
 WEIGHT = 0.15  # running means: the weight of the newest cycle (about the last 7 cycles count)
 PROBE_EVERY = 16
+# a probe is due once the cycles since the last one have spent 1 / PROBE_SHARE times its extra cost (what a cycle one
+# position deeper costs over one at the chosen depth), PROBE_EVERY cycles at the least, PROBE_MAX at the most. The
+# 27B on the H200 (14.9 ms plain, 16.2 depth 1, 16.4-16.8 deeper): every 16 cycles as before. The demo model on a
+# 2-core CPU (8.2 ms plain, 14.0 depth 1): every 16 cycles a probe from plain decoding cost 4% of a reply whose
+# drafts were all rejected (auto_sim --costs cpu-demo, flat 0: auto 0.942 of plain); now every 64 (0.974)
+PROBE_SHARE = 0.01
+PROBE_MAX = 4 * PROBE_EVERY
 # a position judged fewer times than this is drafted at a reply's first cycle and after a cycle that accepted every
 # draft before it: where a draft step is dear (the demo model on a 2-core CPU: plain 8.2 ms, depth 1 14.0, depth 3
 # 18.7 ms a cycle) the prior picks plain decoding, and with a probe every PROBE_EVERY cycles adding one position at a
@@ -58,6 +67,7 @@ class DepthChooser:
     acceptance: list[float] = field(default_factory=list)  # conditional acceptance per position
     cost: dict[int, float] = field(default_factory=dict)  # depth -> running mean of a cycle's wall ms
     since_probe: int = 0
+    since_probe_ms: float = 0.0  # the expected cost of the cycles since the last probe (the running estimates)
     why: str = ""
     # the first cycles as a plain mean with the prior counted once (weight 1 / (n + 1), down to WEIGHT): one
     # drafter's estimate moves only while it drafts, so a loser's first cycles must count fully (--drafter auto)
@@ -93,21 +103,34 @@ class DepthChooser:
         k = best_depth(self.acceptance, costs)
         rates = ", ".join(f"{j}: {self.rate(j, costs):.0f}" for j in range(len(costs)))
         self.why = f"expected tok/s by depth {rates}"
-        return self.probe(k)
+        return self.probe(k, costs)
 
-    def probe(self, k: int) -> int:
-        """k, or k + 1 once in every PROBE_EVERY cycles below the deepest depth: no cycle at depth k judges
-        position k + 1, so its estimate stays what it was when the depth fell below it (a run of rejections
-        there pinned depth 3 for the rest of a 1024-token reply whose 4th position is accepted half the time;
-        from depth 0: has the text become predictable again?). And k + 1 after a cycle whose drafts were all
-        accepted (or before any cycle) while position k + 1 has been judged fewer than MIN_JUDGED times: a reply
-        climbs from the prior a position a cycle, not one per PROBE_EVERY cycles."""
-        self.since_probe = self.since_probe + 1 if k < self.max_depth else 0
-        unknown = k < self.max_depth and self.all_accepted and self.judged[k] < MIN_JUDGED
-        if self.since_probe >= PROBE_EVERY or unknown:
-            self.since_probe, k = 0, k + 1
+    def probe(self, k: int, costs: list[float] | None = None) -> int:
+        """k, or k + 1 now and then below the deepest depth (probe_due): no cycle at depth k judges position
+        k + 1, so its estimate stays what it was when the depth fell below it (a run of rejections there pinned
+        depth 3 for the rest of a 1024-token reply whose 4th position is accepted half the time; from depth 0:
+        has the text become predictable again?). And k + 1 after a cycle whose drafts were all accepted (or
+        before any cycle) while position k + 1 has been judged fewer than MIN_JUDGED times: a reply climbs from
+        the prior a position a cycle, not one per probe."""
+        if k >= self.max_depth:
+            self.since_probe, self.since_probe_ms = 0, 0.0
+            return k
+        costs = costs or self.costs()
+        self.since_probe += 1
+        self.since_probe_ms += costs[k]
+        unknown = self.all_accepted and self.judged[k] < MIN_JUDGED
+        if self.probe_due(costs[k + 1] - costs[k]) or unknown:
+            self.since_probe, self.since_probe_ms, k = 0, 0.0, k + 1
             self.why += f"; probing depth {k}"
         return k
+
+    def probe_due(self, extra_ms: float) -> bool:
+        """Whether this cycle probes, a probe costing extra_ms over the chosen depth's cycle: once the cycles
+        since the last probe (this one included) took 1 / PROBE_SHARE times that, and PROBE_EVERY of them at
+        the least; PROBE_MAX at the most."""
+        if self.since_probe >= PROBE_MAX:
+            return True
+        return self.since_probe >= PROBE_EVERY and PROBE_SHARE * self.since_probe_ms >= extra_ms
 
     def observe(self, depth: int, accepted: list[bool], ms: float | None) -> None:
         """One cycle: its depth, its per-position flags (Cycle.accepted_per_position) and its wall time (None:

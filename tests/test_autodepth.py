@@ -3,7 +3,8 @@
 import pytest
 
 from engine import AUTO, DecodeControl, GenerationSettings
-from engine.autodepth import PROBE_EVERY, DepthChooser, best_depth, expected_tokens
+from engine.autodepth import (MIN_JUDGED, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, DepthChooser, best_depth,
+                              expected_tokens)
 from engine.events import Cycle, Tokens
 from test_exactness import FAMILIES, assert_mtp_drafts_accepted_and_rejected, decode
 
@@ -108,6 +109,28 @@ def test_a_position_past_the_chosen_depth_is_measured_again():
         c.observe(depth, [True] * depth, cost[depth])
     assert picks[: PROBE_EVERY - 1] == [3] * (PROBE_EVERY - 1)  # the stale estimate holds depth 3 ...
     assert picks[-PROBE_EVERY:] == [4] * PROBE_EVERY  # ... until a probe measures position 4 again
+
+
+def test_probes_are_spaced_by_what_they_cost_over_the_chosen_depth():
+    """A probe from plain decoding every PROBE_EVERY cycles where a depth-1 cycle costs 14.0 ms to a plain one's 8.2
+    (the demo model on a 2-core CPU) cost 4% of a reply whose drafts were all rejected (auto_sim --costs cpu-demo,
+    flat 0: auto 0.942 of plain). A probe is due once the cycles since the last one took 1 / PROBE_SHARE times its
+    extra cost: every PROBE_EVERY cycles where it is cheap (the 27B on the H200), further apart where it is dear,
+    PROBE_MAX cycles apart at the most: a rejected position is still measured again."""
+    cpu = {0: 8.2, 1: 14.0, 2: 16.4, 3: 18.7, 4: 21.0}
+    h200 = {0: 14.86, 1: 16.2, 2: 16.4, 3: 16.35, 4: 16.8}
+    between = {0: 10.0, 1: 12.0, 2: 13.0, 3: 14.0, 4: 15.0}  # a probe 2 ms over 10: due after 200 ms, 20 cycles
+    n = 4 * PROBE_MAX
+    for cost, every in ((cpu, PROBE_MAX), (h200, PROBE_EVERY), (between, round(2.0 / (PROBE_SHARE * 10.0)))):
+        c = DepthChooser(4, cost=dict(cost))
+        c.acceptance, c.judged = [0.0] * 4, [MIN_JUDGED] * 4  # every draft rejected so far
+        picks = []
+        for _ in range(n):
+            depth = c.pick()
+            picks.append(depth)
+            c.observe(depth, [False] * depth, cost[depth])
+        assert [i for i, d in enumerate(picks) if d] == list(range(every - 1, n, every)), (cost, picks)
+        assert set(picks) == {0, 1} and c.judged[0] == MIN_JUDGED + n // every
 
 
 def test_a_position_never_judged_is_drafted_after_a_fully_accepted_cycle():

@@ -10,9 +10,12 @@ tokens (`--catch-up`, ms a token); `--noise F`: each cycle's cost off by up to +
 """
 import argparse
 import statistics
+import sys
+from pathlib import Path
 
-from engine.autodepth import DepthChooser
-from engine.drafters import uniform
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's engine, not an installed one's
+from engine.autodepth import DepthChooser  # noqa: E402
+from engine.drafters import uniform  # noqa: E402
 
 COST_MS = {0: 14.86, 1: 16.2, 2: 16.4, 3: 16.35, 4: 16.8}  # (depth 1: not in that run; between 0 and 2)
 # the demo model on the 2-core CPU (README: plain 8.2 ms, depth 1 14.0, depth 3 18.7; 2 and 4 in between)
