@@ -133,6 +133,25 @@ def test_probes_are_spaced_by_what_they_cost_over_the_chosen_depth():
         assert set(picks) == {0, 1} and c.judged[0] == MIN_JUDGED + n // every
 
 
+def test_plain_decoding_not_measured_yet_is_guessed_a_step_below_the_drafting_depths():
+    """Depths 1-4 measured, plain decoding not: on the line through them (11.7 ms at the demo model's 2-core CPU
+    costs, where it takes 8.2) depth 0 never looked best, and auto drafted at depth 1 through replies that plain
+    decoding ran faster. A step below the line it is tried, measured, and kept; where drafting costs little more
+    than plain decoding (the 27B on the H200) it is not tried at acceptances that make drafting pay."""
+    cpu = {0: 8.2, 1: 14.0, 2: 16.4, 3: 18.7, 4: 21.0}
+    c = DepthChooser(4, cost={k: cpu[k] for k in range(1, 5)})
+    c.acceptance, c.judged = [0.45] * 4, [MIN_JUDGED] * 4
+    assert c.costs()[1:] == [cpu[k] for k in range(1, 5)] and c.costs()[0] == pytest.approx(14.0 - 2 * 7.0 / 3)
+    assert c.pick() == 0, c.why  # (the line: depth 1 at 1.45 / 14.0 over plain's 1 / 11.7)
+    c.observe(0, [], cpu[0])
+    assert c.costs()[0] == cpu[0] and c.pick() == 0
+    h200 = {1: 16.2, 2: 16.4, 3: 16.35, 4: 16.8}
+    c = DepthChooser(4, cost=dict(h200))
+    c.acceptance, c.judged = [0.3] * 4, [MIN_JUDGED] * 4
+    assert c.costs()[0] == pytest.approx(15.8) and c.pick() > 0, c.why
+    assert DepthChooser(4, cost={1: 10.0, 2: 14.0}).costs()[0] == 5.0  # (half the cheapest's at the least)
+
+
 def test_a_position_never_judged_is_drafted_after_a_fully_accepted_cycle():
     """Where a draft step is dear (the demo model on a 2-core CPU) the prior alone picks plain decoding: the
     reply's first cycle drafts anyway, and each fully accepted cycle one position deeper, until every position
