@@ -89,18 +89,40 @@ def _configs(sets, names):
 if triton is not None:
 
     @triton.jit
+    def _pair_expert(idx_ptr, pair, w_ptr, shared_ptr, s_ptr, shared_s_ptr, stride_we, stride_se):
+        """(weights, block scales) of the expert a pair reads: a routed one's in the stacked tensors, or (id -1)
+        the shared expert's own, whose rows are laid out like a routed expert's."""
+        e = tl.load(idx_ptr + pair)  # int64: e * stride_we overflows int32 for large expert tensors
+        if e >= 0:
+            base = w_ptr + e * stride_we
+            scales = s_ptr + e * stride_se
+        else:
+            base = shared_ptr
+            scales = shared_s_ptr
+        return base, scales
+
+    @triton.jit
+    def _add_down_pair(acc, act_ptr, pair, weight, base, scales, rows, cols, stride_wr, H: tl.constexpr,
+                       I: tl.constexpr, SCALED: tl.constexpr, BLOCK_I: tl.constexpr):
+        """acc [rows, BLOCK_I] plus one pair's down rows times its weighted activation, column by column (scales:
+        the tile's block row of the pair's scales)."""
+        for i0 in tl.static_range(0, I, BLOCK_I):
+            col_ok = i0 + cols < I
+            mask = (rows[:, None] < H) & col_ok[None, :]
+            a = tl.load(act_ptr + pair * I + i0 + cols, mask=col_ok, other=0.0) * weight
+            if SCALED:
+                a = a * tl.load(scales + (i0 + cols) // 128, mask=col_ok, other=0.0)
+            acc += tl.load(base + rows[:, None] * stride_wr + i0 + cols[None, :], mask=mask,
+                           other=0.0).to(tl.float32) * a[None, :]
+        return acc
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, shared_ptr, s_ptr, shared_s_ptr, act_ptr, stride_xn, stride_we,
                         stride_wr, stride_se, stride_sr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                         SCALED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
         pair = tl.program_id(0)  # K pairs per token: its routed experts, then the shared expert if inline
         token = pair // K
-        e = tl.load(idx_ptr + pair)  # int64: e * stride_we overflows int32 for large expert tensors
-        if e >= 0:
-            base = w_ptr + e * stride_we
-            scales = s_ptr + e * stride_se
-        else:  # the shared expert: its own [2I, H] weight, rows laid out like a routed expert's
-            base = shared_ptr
-            scales = shared_s_ptr
+        base, scales = _pair_expert(idx_ptr, pair, w_ptr, shared_ptr, s_ptr, shared_s_ptr, stride_we, stride_se)
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         cols = tl.arange(0, BLOCK_H)
         gate_ptrs = base + rows[:, None] * stride_wr + cols[None, :]
@@ -134,23 +156,10 @@ if triton is not None:
         acc = tl.zeros((BLOCK_H, BLOCK_I), dtype=tl.float32)
         for j in tl.static_range(K):  # routing order, whatever the batch: the sum rounds the same way
             pair = token * K + j
-            e = tl.load(idx_ptr + pair)
-            weight = tl.load(weights_ptr + pair)
-            if e >= 0:
-                base = w_ptr + e * stride_we
-                scales = s_ptr + e * stride_se
-            else:
-                base = shared_ptr
-                scales = shared_s_ptr
-            ptrs = base + rows[:, None] * stride_wr + cols[None, :]
+            base, scales = _pair_expert(idx_ptr, pair, w_ptr, shared_ptr, s_ptr, shared_s_ptr, stride_we, stride_se)
             scales += (tl.program_id(1) * BLOCK_H // 128) * stride_sr  # SCALED: this tile's block row
-            for i0 in tl.static_range(0, I, BLOCK_I):
-                col_ok = i0 + cols < I
-                mask = (rows[:, None] < H) & col_ok[None, :]
-                a = tl.load(act_ptr + pair * I + i0 + cols, mask=col_ok, other=0.0) * weight
-                if SCALED:
-                    a = a * tl.load(scales + (i0 + cols) // 128, mask=col_ok, other=0.0)
-                acc += tl.load(ptrs + i0, mask=mask, other=0.0).to(tl.float32) * a[None, :]
+            acc = _add_down_pair(acc, act_ptr, pair, tl.load(weights_ptr + pair), base, scales, rows, cols,
+                                 stride_wr, H, I, SCALED, BLOCK_I)
         out = tl.sum(acc, axis=1)
         tl.store(out_ptr + token * stride_on + rows, out.to(out_ptr.dtype.element_ty), mask=rows < H)
 
@@ -167,24 +176,10 @@ if triton is not None:
         pair = token * K + tl.program_id(1)
         rows = block * BLOCK_H + tl.arange(0, BLOCK_H)
         cols = tl.arange(0, BLOCK_I)
-        e = tl.load(idx_ptr + pair)
-        weight = tl.load(weights_ptr + pair)
-        if e >= 0:
-            base = w_ptr + e * stride_we
-            scales = s_ptr + e * stride_se
-        else:
-            base = shared_ptr
-            scales = shared_s_ptr
+        base, scales = _pair_expert(idx_ptr, pair, w_ptr, shared_ptr, s_ptr, shared_s_ptr, stride_we, stride_se)
         scales += (block * BLOCK_H // 128) * stride_sr
-        acc = tl.zeros((BLOCK_H, BLOCK_I), dtype=tl.float32)
-        for i0 in tl.static_range(0, I, BLOCK_I):
-            col_ok = i0 + cols < I
-            a = tl.load(act_ptr + pair * I + i0 + cols, mask=col_ok, other=0.0) * weight
-            if SCALED:
-                a = a * tl.load(scales + (i0 + cols) // 128, mask=col_ok, other=0.0)
-            mask = (rows[:, None] < H) & col_ok[None, :]
-            acc += tl.load(base + rows[:, None] * stride_wr + i0 + cols[None, :], mask=mask,
-                           other=0.0).to(tl.float32) * a[None, :]
+        acc = _add_down_pair(tl.zeros((BLOCK_H, BLOCK_I), dtype=tl.float32), act_ptr, pair,
+                             tl.load(weights_ptr + pair), base, scales, rows, cols, stride_wr, H, I, SCALED, BLOCK_I)
         token_row = tl.zeros((1, 1), dtype=tl.int32) + token
         store_tile(out_ptr, part_ptr, locks_ptr, tl.sum(acc, axis=1)[None, :], token_row, rows[None, :],
                    rows[None, :] < H, n_tokens, H, tile)

@@ -13,45 +13,8 @@ import triton
 
 from engine import fp8, moe_triton as mt
 from engine.fusion import fuse_layer
-from engine.splitk import graph_ms, output, store_tile
+from engine.splitk import graph_ms, output
 from test_moe_triton import moe_block
-import triton.language as tl
-
-
-@triton.jit
-def _down_split_kernel(act_ptr, idx_ptr, weights_ptr, w_ptr, shared_ptr, s_ptr, shared_s_ptr, out_ptr, part_ptr,
-                       locks_ptr, n_tokens, stride_we, stride_wr, stride_se, stride_sr, H: tl.constexpr,
-                       I: tl.constexpr, K: tl.constexpr, SCALED: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_I: tl.constexpr):
-    # grid (token * H / BLOCK_H + row block, pair): one pair's rows a program; the last pair to finish sums the
-    # K partials in routing order (splitk.store_tile)
-    blocks: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
-    tile = tl.program_id(0)
-    token, rb = tile // blocks, tile % blocks
-    pair = token * K + tl.program_id(1)
-    rows = rb * BLOCK_H + tl.arange(0, BLOCK_H)
-    cols = tl.arange(0, BLOCK_I)
-    e = tl.load(idx_ptr + pair)
-    weight = tl.load(weights_ptr + pair)
-    if e >= 0:
-        base = w_ptr + e * stride_we
-        scales = s_ptr + e * stride_se
-    else:
-        base = shared_ptr
-        scales = shared_s_ptr
-    scales += (rb * BLOCK_H // 128) * stride_sr
-    acc = tl.zeros((BLOCK_H, BLOCK_I), dtype=tl.float32)
-    for i0 in tl.static_range(0, I, BLOCK_I):
-        col_ok = i0 + cols < I
-        a = tl.load(act_ptr + pair * I + i0 + cols, mask=col_ok, other=0.0) * weight
-        if SCALED:
-            a = a * tl.load(scales + (i0 + cols) // 128, mask=col_ok, other=0.0)
-        w = tl.load(base + rows[:, None] * stride_wr + i0 + cols[None, :], mask=(rows[:, None] < H) & col_ok[None, :],
-                    other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
-    y = tl.sum(acc, axis=1)[None, :]
-    one = tl.zeros((1, 1), dtype=tl.int32) + token
-    store_tile(out_ptr, part_ptr, locks_ptr, y, one, rows[None, :], rows[None, :] < H, n_tokens, H, tile)
 
 SHAPES = {"80B-A3B": dict(hidden_size=2048, num_experts=512, moe_intermediate_size=512, num_experts_per_tok=10),
           "35B-A3B": dict(hidden_size=2048, num_experts=256, moe_intermediate_size=512, num_experts_per_tok=8)}
@@ -111,9 +74,9 @@ def main():
 
             def down_split(c, out=split_out):
                 bh, bi, w = c
-                _down_split_kernel[(n * triton.cdiv(H, bh), K)](
+                mt._down_split_kernel[(n * triton.cdiv(H, bh), K)](
                     act, idx, weights, dn, sdn, ds, sds, out, split_part, split_locks, n, dn.stride(0),
-                    dn.stride(1), ds.stride(0) if scaled else 0, ds.stride(1) if scaled else 0, H=H, I=I, K=K,
+                    dn.stride(1), ds.stride(0) if scaled else 0, ds.stride(1) if scaled else 0, K=K, H=H, I=I,
                     SCALED=scaled, BLOCK_H=bh, BLOCK_I=bi, num_warps=w)
 
             ref_act = torch.empty_like(act)
