@@ -438,7 +438,8 @@ def precision_report(args) -> int:
                 "plain_identical_share": sum(x == y for x, y in pairs) / len(pairs),
                 "first_divergence": [f for f in firsts if f is not None],
                 "mtp_acceptance": checkpoint["mtp_acceptance"],
-                "speculative_identical_share": sum(r["identical"] for r in checkpoint["rows"]) / len(checkpoint["rows"])}
+                "speculative_identical_share": sum(r["identical"] for r in checkpoint["rows"])
+                / len(checkpoint["rows"])}
         if args.out:  # what is measured so far survives a failure of the next dtype
             write_json(args.out, {**head, "complete": False, "precision": report})
     result = {**head, "complete": True, "precision": report}
@@ -456,9 +457,10 @@ def _precision_lines(dtype: str, r: dict, depth: int, quant: str) -> str:
             f"plain; first divergence at {r['first_divergence'] or '-'}; MTP acceptance {rate(r['mtp_acceptance'])}")
     twin = r.get("vs_checkpoint")
     if twin:
-        line += (f"\n{'':>9}  {quant} plain text identical to the checkpoint's in {share(twin['plain_identical_share'])}"
-                 f" of prompts (first divergence at {twin['first_divergence'] or '-'}); MTP acceptance "
-                 f"{rate(r['mtp_acceptance'])} against the checkpoint's {rate(twin['mtp_acceptance'])}")
+        line += (f"\n{'':>9}  {quant} plain text identical to the checkpoint's in "
+                 f"{share(twin['plain_identical_share'])} of prompts (first divergence at "
+                 f"{twin['first_divergence'] or '-'}); MTP acceptance {rate(r['mtp_acceptance'])} against the "
+                 f"checkpoint's {rate(twin['mtp_acceptance'])}")
     return line
 
 
