@@ -35,6 +35,11 @@ PROBE_EVERY = 16
 # drafts were all rejected (auto_sim --costs cpu-demo, flat 0: auto 0.942 of plain); now every 64 (0.974)
 PROBE_SHARE = 0.01
 PROBE_MAX = 4 * PROBE_EVERY
+# a position judged fewer than MIN_JUDGED times is probed every PROBE_UNSURE cycles, whatever it costs: its
+# estimate rests on a cycle or two (one rejection at a reply's start put position 1 at 0.3 and held plain decoding
+# at the demo's CPU costs for PROBE_MAX cycles: auto_sim --costs cpu-demo --known-costs at 0.92/0.84/0.65/0.54 fell
+# from 0.954 of depth 3 to 0.938 with the probes spaced by cost alone; now 0.962)
+PROBE_UNSURE = 4
 # a position judged fewer times than this is drafted at a reply's first cycle and after a cycle that accepted every
 # draft before it: where a draft step is dear (the demo model on a 2-core CPU: plain 8.2 ms, depth 1 14.0, depth 3
 # 18.7 ms a cycle) the prior picks plain decoding, and with a probe every PROBE_EVERY cycles adding one position at a
@@ -117,17 +122,19 @@ class DepthChooser:
         """k, or k + 1 now and then below the deepest depth (probe_due): no cycle at depth k judges position
         k + 1, so its estimate stays what it was when the depth fell below it (a run of rejections there pinned
         depth 3 for the rest of a 1024-token reply whose 4th position is accepted half the time; from depth 0:
-        has the text become predictable again?). And k + 1 after a cycle whose drafts were all accepted (or
-        before any cycle) while position k + 1 has been judged fewer than MIN_JUDGED times: a reply climbs from
-        the prior a position a cycle, not one per probe."""
+        has the text become predictable again?). While position k + 1 has been judged fewer than MIN_JUDGED
+        times: every PROBE_UNSURE cycles, and after a cycle whose drafts were all accepted (or before any cycle):
+        a reply climbs from the prior a position a cycle, not one per probe."""
         if k >= self.max_depth:
             self.since_probe, self.since_probe_ms = 0, 0.0
             return k
         costs = costs or self.costs()
         self.since_probe += 1
         self.since_probe_ms += costs[k]
-        unknown = self.all_accepted and self.judged[k] < MIN_JUDGED
-        if self.probe_due(costs[k + 1] - costs[k]) or unknown:
+        few = self.judged[k] < MIN_JUDGED
+        unknown = few and self.all_accepted
+        due = self.since_probe >= PROBE_UNSURE if few else self.probe_due(costs[k + 1] - costs[k])
+        if due or unknown:
             self.since_probe, self.since_probe_ms, k = 0, 0.0, k + 1
             self.why += f"; probing depth {k}"
         return k

@@ -3,8 +3,8 @@
 import pytest
 
 from engine import AUTO, DecodeControl, GenerationSettings
-from engine.autodepth import (MIN_JUDGED, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, DepthChooser, best_depth,
-                              expected_tokens)
+from engine.autodepth import (MIN_JUDGED, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, PROBE_UNSURE, DepthChooser,
+                              best_depth, expected_tokens)
 from engine.events import Cycle, Tokens
 from test_exactness import FAMILIES, assert_mtp_drafts_accepted_and_rejected, decode
 
@@ -131,6 +131,22 @@ def test_probes_are_spaced_by_what_they_cost_over_the_chosen_depth():
             c.observe(depth, [False] * depth, cost[depth])
         assert [i for i, d in enumerate(picks) if d] == list(range(every - 1, n, every)), (cost, picks)
         assert set(picks) == {0, 1} and c.judged[0] == MIN_JUDGED + n // every
+
+
+def test_a_position_judged_a_few_times_is_probed_again_soon():
+    """Known costs at which the prior picks plain decoding (the demo model's CPU): the reply's first cycle drafts
+    one token anyway (MIN_JUDGED), and it is rejected. Position 1's estimate, 0.3 on that one cycle, held plain
+    decoding until the next probe, PROBE_MAX cycles away where probes are spaced by their cost. While judged fewer
+    than MIN_JUDGED times a position is probed every PROBE_UNSURE cycles; here the drafts are good, and it climbs."""
+    cpu = {0: 8.2, 1: 14.0, 2: 16.4, 3: 18.7, 4: 21.0}
+    c = DepthChooser(4, mean_first=True, cost=dict(cpu))
+    picks = []
+    for i in range(40):
+        depth = c.pick()
+        picks.append(depth)
+        c.observe(depth, [i > 0] * depth, cpu[depth])  # the first cycle's draft rejected, every later one accepted
+    assert picks[: PROBE_UNSURE + 1] == [1] + [0] * (PROBE_UNSURE - 1) + [1], picks
+    assert picks[-10:] == [4] * 10, picks
 
 
 def test_plain_decoding_not_measured_yet_is_guessed_a_step_below_the_drafting_depths():
