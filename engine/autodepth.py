@@ -10,7 +10,8 @@ judged by no cycle, so now and then a cycle below the deepest depth drafts a tok
 reply whose text becomes predictable again gets speculation back; from depth k, a low estimate at position k + 1
 that a few rejections made is measured again instead of holding the depth below it for the rest of the reply.
 Probes come every PROBE_EVERY cycles where a deeper cycle costs little more, further apart where it is dear, so
-that what they cost over the chosen depth stays about PROBE_SHARE of the time (PROBE_MAX cycles apart at most).
+that what they cost over the chosen depth stays about PROBE_SHARE of the time (PROBE_MAX cycles apart at most;
+every PROBE_UNSURE cycles while the position's estimate rests on fewer than MIN_JUDGED cycles).
 
 `--drafter auto` (AutoDrafter, DrafterChooser) reuses these estimates, one DepthChooser per drafter: each cycle the
 MTP head or the draft model, whichever has the higher expected tokens per second at the cycle's depth.
@@ -32,7 +33,8 @@ PROBE_EVERY = 16
 # position deeper costs over one at the chosen depth), PROBE_EVERY cycles at the least, PROBE_MAX at the most. The
 # 27B on the H200 (14.9 ms plain, 16.2 depth 1, 16.4-16.8 deeper): every 16 cycles as before. The demo model on a
 # 2-core CPU (8.2 ms plain, 14.0 depth 1): every 16 cycles a probe from plain decoding cost 4% of a reply whose
-# drafts were all rejected (auto_sim --costs cpu-demo, flat 0: auto 0.942 of plain); now every 64 (0.974)
+# drafts were all rejected (auto_sim --costs cpu-demo, flat 0: auto 0.942 of plain); now every 64 once the
+# position has been judged MIN_JUDGED times (0.964; every PROBE_UNSURE cycles before that, below)
 PROBE_SHARE = 0.01
 PROBE_MAX = 4 * PROBE_EVERY
 # a position judged fewer than MIN_JUDGED times is probed every PROBE_UNSURE cycles, whatever it costs: its
