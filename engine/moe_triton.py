@@ -321,7 +321,7 @@ def _tune(H: int, I: int, K: int, weights_args: tuple, like: torch.Tensor) -> tu
     inputs = []
     for n in TUNE_ROWS:
         h = torch.randn(n, H, generator=gen, device=like.device).to(like.dtype)
-        idx = torch.stack([torch.randperm(E, generator=gen, device=like.device)[:K] for _ in range(n)])
+        idx = torch.stack([torch.randperm(max(E, K), generator=gen, device=like.device)[:K] % E for _ in range(n)])
         if weights_args[2] is not weights_args[0]:  # a shared expert: the last pair, as route() places it
             idx[:, -1] = -1
         inputs.append((h, idx, torch.full((n, K), 1.0 / K, device=like.device)))
