@@ -390,10 +390,15 @@ def precision_report(args) -> int:
                           set(), **flags)
         return load_engine(args.model, args.device, dtype, quantize=None if quant == "bf16" else quant, **flags)
 
-    def runs(engine, prompts) -> dict:
+    def prompts(engine) -> list[list[int]]:
+        if args.random_weights:
+            return [[(7 * i + j) % 1000 + 1 for j in range(32)] for i in range(len(PRECISION_PROMPTS))]
+        return [engine.encode_chat([{"role": "user", "content": q}]) for q in PRECISION_PROMPTS]
+
+    def runs(engine) -> dict:
         """Per prompt: plain tokens, then each drafter's run at `depth` against them."""
         rows, plains = [], []
-        for prompt in prompts:
+        for prompt in prompts(engine):
             plain = decode(engine, prompt, 0)[0]
             plains.append(plain)
             drafters = {"oracle@1": OracleDrafter(plain, len(prompt), 0.0, engine.trunk.config.vocab_size)}
@@ -417,15 +422,10 @@ def precision_report(args) -> int:
         checkpoint = None
         if twin:  # the checkpoint as it is first, freed before its quantized twin loads
             engine = build(dtype, "bf16")
-            prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in PRECISION_PROMPTS]
-            checkpoint = runs(engine, prompts)
+            checkpoint = runs(engine)
             del engine
         engine = build(dtype, args.quant)
-        if args.random_weights:
-            prompts = [[(7 * i + j) % 1000 + 1 for j in range(32)] for i in range(len(PRECISION_PROMPTS))]
-        elif not twin:
-            prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in PRECISION_PROMPTS]
-        measured = runs(engine, prompts)
+        measured = runs(engine)
         del engine
         rows = measured["rows"]
         diverged = [r["first_divergence"] for r in rows if not r["identical"]]
