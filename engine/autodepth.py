@@ -51,6 +51,10 @@ MIN_JUDGED = 4
 # kernel call, the allocator growing): not its depth's cost. One such 400 ms cycle taken as depth 4's cost made
 # every deep depth look dear for the rest of a 27B reply (auto 2.54x plain where depth 4 gave 3.27x, H200)
 OUTLIER = 5.0
+# a cycle slower than this many times its depth's running cost counts as this many: a shared CPU's stall (another
+# process, a GC pass) moves the estimate at most WEIGHT of the way to double, where a 4x cycle at WEIGHT 0.15 had
+# moved it 45% and two such handed a never-accepted draft model the cycles for a stretch (test_draft_auto, CI)
+SPIKE = 2.0
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -168,7 +172,7 @@ class DepthChooser:
         if ms is not None and self.cost and ms > OUTLIER * min(self.cost.values()):
             ms = None
         if ms is not None:
-            self.cost[depth] = ms if old is None else old + WEIGHT * (ms - old)
+            self.cost[depth] = ms if old is None else old + WEIGHT * (min(ms, SPIKE * old) - old)
             cheapest = min(self.cost.values())  # (and a first cycle that was one: forgotten, measured again later)
             self.cost = {d: c for d, c in self.cost.items() if c <= OUTLIER * cheapest}
 

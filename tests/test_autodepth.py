@@ -3,8 +3,8 @@
 import pytest
 
 from engine import AUTO, DecodeControl, GenerationSettings
-from engine.autodepth import (MIN_JUDGED, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, PROBE_UNSURE, DepthChooser,
-                              best_depth, expected_tokens)
+from engine.autodepth import (MIN_JUDGED, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, PROBE_UNSURE, SPIKE, WEIGHT,
+                              DepthChooser, best_depth, expected_tokens)
 from engine.events import Cycle, Tokens
 from test_exactness import FAMILIES, assert_mtp_drafts_accepted_and_rejected, decode
 
@@ -92,6 +92,19 @@ def test_a_cycle_that_paid_a_one_time_cost_is_not_its_depths_cost():
             c.observe(depth, [True] * depth, 400.0 if slow else 10.0 + 0.1 * depth)
         assert c.pick() == 4, (first, c.cost, c.why)
         assert max(c.cost.values()) < 20.0
+
+
+def test_a_stalled_cycle_moves_its_depths_cost_a_little_and_a_lasting_change_is_followed():
+    """A shared CPU stalls a cycle now and then (4x here, under the one-time-cost cut): the estimate moves at most
+    WEIGHT of the way to SPIKE times itself. A cost that really changes (a longer context) is followed within
+    a few cycles all the same."""
+    c = DepthChooser(4)
+    for ms in (10.0, 10.0, 40.0, 40.0):
+        c.observe(2, [True, True], ms)
+    assert c.cost[2] == pytest.approx(10.0 * (1 + WEIGHT * (SPIKE - 1)) ** 2)  # (17.8 without the cut)
+    for _ in range(12):
+        c.observe(2, [True, True], 30.0)
+    assert c.cost[2] > 27.0
 
 
 def test_a_position_past_the_chosen_depth_is_measured_again():
