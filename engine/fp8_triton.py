@@ -62,7 +62,7 @@ _chosen: dict[tuple, tuple] = {}  # (N, K, bucket, device index) -> the timed (k
 if triton is not None:
     @triton.jit
     def _fp8_rows(X, W, S, Y, P, LOCKS, M, N, K, stride_xm, stride_wn, stride_sn, KS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
         pn, pk = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
@@ -72,16 +72,19 @@ if triton is not None:
             k = b * BLOCK_K + kk
             w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
                         other=0.0).to(tl.float32)
-            s = tl.load(S + (n // BLOCK_K) * stride_sn + b, mask=n < N, other=0.0)
+            if SCALED:
+                s = tl.load(S + (n // BLOCK_K) * stride_sn + b, mask=n < N, other=0.0)
             for m in range(M):  # a runtime loop: one row costs one row's multiply-adds
                 x = tl.load(X + m * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-                part = tl.sum(w * x[None, :], 1) * s
+                part = tl.sum(w * x[None, :], 1)
+                if SCALED:
+                    part = part * s
                 acc = tl.where(r[:, None] == m, acc + part[None, :], acc)
         store_tile(Y, P, LOCKS, acc, r[:, None], n[None, :], (r[:, None] < M) & (n[None, :] < N), M, N, pn)
 
     @triton.jit
     def _fp8_dot(X, W, S, Y, P, LOCKS, M, N, K, stride_xm, stride_wn, stride_sn, KS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
         pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -91,8 +94,11 @@ if triton is not None:
             k = b * BLOCK_K + kk
             x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
             w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-            s = tl.load(S + (n // BLOCK_K) * stride_sn + b, mask=n < N, other=0.0)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype))) * s[None, :]
+            if SCALED:
+                s = tl.load(S + (n // BLOCK_K) * stride_sn + b, mask=n < N, other=0.0)
+                acc += tl.dot(x, tl.trans(w.to(x.dtype))) * s[None, :]
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
         store_tile(Y, P, LOCKS, acc, m[:, None], n[None, :], (m[:, None] < M) & (n[None, :] < N), M, N,
                    pn + pm * tl.num_programs(0))
 
@@ -134,10 +140,12 @@ def dequantized(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
     return y
 
 
-def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, choice) -> torch.Tensor:
-    """One (kernel, configuration): the K slices' float32 partials summed by one more kernel, or, unsplit, the
-    output written directly in x's dtype."""
+def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, choice) -> torch.Tensor:
+    """One (kernel, configuration): the K slices' float32 partials summed by the last slice, or, unsplit, the
+    output written directly in x's dtype. scale None: a 16-bit weight, streamed the same way (plain_gemv.py)."""
     kind, (block_n, ks, warps, stages) = choice
+    scaled = scale is not None
+    scale = scale if scaled else weight  # (a pointer the kernel never reads)
     M, K = x2.shape
     N = weight.shape[0]
     blocks = triton.cdiv(K, BLOCK)
@@ -148,11 +156,13 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, choice)
     if kind == "rows":
         _fp8_rows[(triton.cdiv(N, block_n), slices)](
             x2, weight, scale, out, part, locks, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0),
-            KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages)
+            KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, SCALED=scaled, num_warps=warps,
+            num_stages=stages)
     else:
         _fp8_dot[(triton.cdiv(N, block_n), slices, triton.cdiv(M, block_m))](
             x2, weight, scale, out, part, locks, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0),
-            KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages)
+            KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, SCALED=scaled, num_warps=warps,
+            num_stages=stages)
     return out
 
 

@@ -38,6 +38,23 @@ def test_the_kernel_equals_the_dequantized_matmul(triton_device, n, k, rows, con
     assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
 
 
+@pytest.mark.parametrize("rows,config", [(1, ("rows", (32, 1, 4, 3))), (5, ("rows", (64, 2, 4, 4))),
+                                         (3, ("dot", (32, 2, 4, 4)))])
+def test_the_kernels_stream_a_16_bit_weight_as_f_linear_computes(triton_device, rows, config):
+    """No scale: the same kernels over a bf16 / fp16 weight (the 16-bit linears cuBLAS is slow at), K split in
+    slices over a partial edge block."""
+    from engine import fp8_triton
+
+    dtype = torch.bfloat16 if triton_device.type == "cuda" else torch.float16
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(72, 300, generator=g) * 0.05).to(triton_device, dtype)
+    x = torch.randn(rows, 300, generator=g).to(triton_device, dtype)
+    got = fp8_triton._launch(x, w, None, config)
+    ref = F.linear(x.float(), w.float())
+    assert got.dtype == dtype and got.shape == (rows, 72)
+    assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
 def test_the_row_kernel_gives_a_row_what_it_gives_it_alone(triton_device):
     """Its rows are independent: the same multiply-adds in the same order whatever the width."""
     from engine import fp8_triton

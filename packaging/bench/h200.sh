@@ -29,6 +29,11 @@
 #   bash packaging/bench/h200.sh gdn      # the GDN recurrent kernel's launch configurations per call (gdn_ops.py)
 #   bash packaging/bench/h200.sh moe      # the routed-expert kernels' configurations per call (moe_configs.py),
 #                                         # their GPU tests; the whole 80B-A3B shape in FP8, compiled
+#   bash packaging/bench/h200.sh gemv     # the FP8 kernels streaming 16-bit weights against cuBLAS at the 80B's and
+#                                         # 27B's bf16 linears (quant_kernels.py --quant bf16); FP8 precision, demo
+#   bash packaging/bench/h200.sh linear16 # those kernels in the engine against cuBLAS (MTPCHAT_LINEAR16=cublas), end
+#                                         # to end: the 80B-A3B slice in bf16, the whole 80B-A3B in FP8
+#   bash packaging/bench/h200.sh linear16b  # the same on the 27B shape, bf16 and FP8
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
 # the device's python3 has none of them.
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
@@ -226,5 +231,29 @@ memory)  # issue #29 (about 8 minutes): the GPU tests of the quantized paths and
   ;;
 gdn)
   timeout 60 python3 packaging/bench/gdn_ops.py --json "$OUT/gdn_ops_h200.json" 2>&1 | grep -E "^B |Error"
+  ;;
+gemv)  # about 5 minutes
+  timeout 200 python3 packaging/bench/quant_kernels.py --quant bf16 --shapes 80b --json "$OUT/quant_kernels_bf16_80b_h200.json" 2>&1 | tail -16
+  timeout 200 python3 packaging/bench/quant_kernels.py --quant bf16 --shapes 27b --json "$OUT/quant_kernels_bf16_27b_h200.json" 2>&1 | tail -16
+  gpu_tests 120 "$OUT/gpu_tests_gemv.log" tests/test_fp8_triton.py
+  BENCH_TIMEOUT=200 bench --precision --quant fp8 --model engine/assets/demo --depths 3 --max-new-tokens 128 \
+        --out "$OUT/precision_demo_fp8_h200.json"
+  ;;
+linear16)  # about 9 minutes
+  gpu_tests 120 "$OUT/gpu_tests_linear16.log" tests/test_linear16_triton.py tests/test_fp8_triton.py
+  for mode in cublas triton; do
+    MTPCHAT_LINEAR16=$mode bench --random-weights qwen3-next-80b-a3b --layers 12 --compile --depths 0,3 \
+        --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench80b_12l_linear16_${mode}_h200.json"
+  done
+  BENCH_TIMEOUT=330 bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 --drafter oracle \
+        --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_linear16_h200.json"
+  ;;
+linear16b)  # about 9 minutes
+  for mode in cublas triton; do
+    MTPCHAT_LINEAR16=$mode bench --random-weights qwen3.5-27b --compile --depths 0 --max-new-tokens 64 --repeat 2 \
+        --no-hf --out "$OUT/bench27b_linear16_${mode}_h200.json"
+  done
+  BENCH_TIMEOUT=250 bench --random-weights qwen3.5-27b --quant fp8 --compile --depths 0,3 --drafter oracle \
+        --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_fp8_linear16_h200.json"
   ;;
 esac

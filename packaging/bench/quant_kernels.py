@@ -2,8 +2,11 @@
 the 27B shape's projections, per call inside CUDA graphs, at decoding's 1 row and depth 3's 4 rows: the best
 configuration of each form, its streamed bytes per second, and bf16 cuBLAS on the same shape. This is how a
 new kernel form earns (or loses) its place in CONFIGS; install() then times the survivors per shape at load.
+`--quant bf16`: the FP8 kernels streaming 16-bit weights (no scale) against cuBLAS at the 16-bit linears of a
+model's decode step (`--shapes 80b`: the 80B-A3B's; the last two of each list stay bf16 in FP8 releases), with a
+few narrow-tile configurations for the tiny ones.
 
-    python3 packaging/bench/quant_kernels.py [--quant int4,fp8] [--rows 1,4] [--json OUT]
+    python3 packaging/bench/quant_kernels.py [--quant int4,fp8,bf16] [--shapes 27b|80b] [--rows 1,4] [--json OUT]
 """
 from __future__ import annotations
 
@@ -23,6 +26,16 @@ from engine.splitk import graph_ms  # noqa: E402
 SHAPES = [("attn qkv (fused)", 14336, 5120), ("attn o_proj", 5120, 6144), ("gdn in_proj_qkv", 10240, 5120),
           ("gdn in_proj_z", 6144, 5120), ("gdn out_proj", 5120, 6144), ("mlp gate_up (fused)", 34816, 5120),
           ("mlp down_proj", 5120, 17408)]
+# 16-bit weights at decode: the bf16 models' projections as fusion.py fuses them; the last two of each list (GDN's
+# b + a, the MoE router + the shared expert's gate) stay bf16 in FP8 releases
+BF16_SHAPES = {
+    "27b": [("attn qkv (fused)", 14336, 5120), ("attn o_proj", 5120, 6144), ("gdn in_proj (fused)", 16480, 5120),
+            ("gdn out_proj", 5120, 6144), ("mlp gate_up (fused)", 34816, 5120), ("mlp down_proj", 5120, 17408),
+            ("gdn in_proj_ba (fused)", 96, 5120)],
+    "80b": [("attn qkv (fused)", 9216, 2048), ("attn o_proj", 2048, 4096), ("gdn in_proj (fused)", 12352, 2048),
+            ("gdn out_proj", 2048, 4096), ("gdn in_proj_ba (fused)", 64, 2048), ("router + shared gate", 513, 2048)],
+}
+NARROW = [(32, 1, 4, 3), (16, 1, 4, 3), (32, 2, 4, 3), (64, 1, 4, 3), (16, 2, 2, 3), (32, 1, 2, 4)]
 
 
 def int4_case(n: int, k: int, group: int = 128):
@@ -39,17 +52,25 @@ def fp8_case(n: int, k: int):
     return (lambda x, choice: fp8_triton._launch(x, w, s, choice)), fp8_triton.CONFIGS, w.numel() + s.numel() * 4
 
 
+def bf16_case(n: int, k: int):
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    configs = {kind: c + NARROW for kind, c in fp8_triton.CONFIGS.items()}
+    return (lambda x, choice: fp8_triton._launch(x, w, None, choice)), configs, w.numel() * 2
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quant", default="int4,fp8")
     p.add_argument("--rows", default="1,4")
+    p.add_argument("--shapes", default="27b", choices=sorted(BF16_SHAPES))
     p.add_argument("--json")
     a = p.parse_args()
     out = []
     for quant in a.quant.split(","):
         totals: dict[tuple, float] = {}
-        for name, n, k in SHAPES:
-            run, configs, nbytes = (int4_case if quant == "int4" else fp8_case)(n, k)
+        shapes = BF16_SHAPES[a.shapes] if quant == "bf16" else SHAPES
+        for name, n, k in shapes:
+            run, configs, nbytes = {"int4": int4_case, "fp8": fp8_case, "bf16": bf16_case}[quant](n, k)
             w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             for rows in (int(r) for r in a.rows.split(",")):
                 x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -78,7 +99,7 @@ def main():
                       flush=True)
                 out.append(row)
         for (kind, rows), ms in sorted(totals.items(), key=lambda t: (t[0][1], t[1])):
-            print(f"{quant} rows {rows}: {kind:8s} {ms:.3f} ms over the {len(SHAPES)} shapes", flush=True)
+            print(f"{quant} rows {rows}: {kind:8s} {ms:.3f} ms over the {len(shapes)} shapes", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
