@@ -254,6 +254,16 @@ def choose_fp8(backends, modules, device, dtype) -> None:
         backends.choice["fp8_linear"] = ("triton" if why.startswith("Triton") else "dequantize", why)
 
 
+def choose_linear16(backends, modules, device, dtype) -> None:
+    """16-bit linears at decode / verify widths: Triton's streaming kernels for the shapes timed faster than cuBLAS
+    on this GPU (linear16_triton.py). Nothing is recorded off CUDA or without 16-bit linears."""
+    from .linear16_triton import install
+
+    why = install(modules, device, dtype)
+    if why is not None:
+        backends.choice["linear16"] = ("triton" if why.startswith("Triton") else "cublas", why)
+
+
 def choose_decode_attention(trunk) -> None:
     """Graph-mode attention: the split-K Triton kernel over the filled length (attention_triton.py) when it
     serves this trunk and matches the masked form on random inputs; else the masked form, with the reason."""
@@ -383,6 +393,7 @@ class Trunk:
         choose_moe(self)
         choose_norm(self.backends, self.lm.modules(), self.device, self.dtype)
         choose_fp8(self.backends, self.lm.modules(), self.device, self.dtype)
+        choose_linear16(self.backends, self.lm.modules(), self.device, self.dtype)
         int4.choose(self.backends, self.lm.modules(), self.device, self.dtype)
         choose_decode_attention(self)
 

@@ -19,6 +19,7 @@ from .families import fuse_experts
 from .fusion import fuse_all
 from .modules import quantize_like_releases
 from .fp8_triton import install as install_fp8
+from .linear16_triton import install as install_linear16
 from .norm_triton import install as install_norms
 
 
@@ -99,6 +100,7 @@ class MTPHead(nn.Module):
         fuse_all(self.layers)
         install_norms(self.modules(), trunk.device, trunk.dtype)  # as the trunk's (model.choose_norm)
         install_fp8(self.modules(), trunk.device, trunk.dtype)  # the head's FP8 linears (model.choose_fp8)
+        install_linear16(self.modules(), trunk.device, trunk.dtype)  # its 16-bit ones (model.choose_linear16)
         int4.choose(None, self.modules(), trunk.device, trunk.dtype)  # and its 4-bit ones
         return self
 
