@@ -34,6 +34,7 @@
 #   bash packaging/bench/h200.sh linear16 # those kernels in the engine against cuBLAS (MTPCHAT_LINEAR16=cublas), end
 #                                         # to end: the 80B-A3B slice in bf16, the whole 80B-A3B in FP8
 #   bash packaging/bench/h200.sh linear16b  # the same on the 27B shape, bf16 and FP8
+#   bash packaging/bench/h200.sh linear16c  # their GPU test; the 27B shape in Int4 with them (its bf16 lm_head, b + a)
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
 # the device's python3 has none of them.
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
@@ -255,5 +256,10 @@ linear16b)  # about 9 minutes
   done
   BENCH_TIMEOUT=250 bench --random-weights qwen3.5-27b --quant fp8 --compile --depths 0,3 --drafter oracle \
         --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_fp8_linear16_h200.json"
+  ;;
+linear16c)  # about 4 minutes
+  gpu_tests 90 "$OUT/gpu_tests_linear16c.log" tests/test_linear16_triton.py
+  BENCH_TIMEOUT=200 bench --random-weights qwen3.5-27b --quant int4 --compile --depths 0,3 --drafter oracle \
+        --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_int4_linear16_h200.json"
   ;;
 esac
