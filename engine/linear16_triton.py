@@ -59,8 +59,8 @@ def _(x, weight):
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight), through the timed choice up to ROWS_MAX rows."""
-    return linear16_op(x, weight) if x.numel() // x.shape[-1] <= ROWS_MAX else F.linear(x, weight)
+    """F.linear(x, weight), through the timed choice at 1 to ROWS_MAX rows."""
+    return linear16_op(x, weight) if 0 < x.numel() // x.shape[-1] <= ROWS_MAX else F.linear(x, weight)
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:
