@@ -94,11 +94,10 @@ if triton is not None:
             k = b * BLOCK_K + kk
             x = tl.load(X + m[:, None] * stride_xm + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
             w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+            part = tl.dot(x, tl.trans(w.to(x.dtype)))
             if SCALED:
-                s = tl.load(S + (n // BLOCK_K) * stride_sn + b, mask=n < N, other=0.0)
-                acc += tl.dot(x, tl.trans(w.to(x.dtype))) * s[None, :]
-            else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+                part = part * tl.load(S + (n // BLOCK_K) * stride_sn + b, mask=n < N, other=0.0)[None, :]
+            acc += part
         store_tile(Y, P, LOCKS, acc, m[:, None], n[None, :], (m[:, None] < M) & (n[None, :] < N), M, N,
                    pn + pm * tl.num_programs(0))
 
@@ -142,7 +141,7 @@ def dequantized(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, choice) -> torch.Tensor:
     """One (kernel, configuration): the K slices' float32 partials summed by the last slice, or, unsplit, the
-    output written directly in x's dtype. scale None: a 16-bit weight, streamed the same way (plain_gemv.py)."""
+    output written directly in x's dtype. scale None: a 16-bit weight, streamed the same way (linear16_triton.py)."""
     kind, (block_n, ks, warps, stages) = choice
     scaled = scale is not None
     scale = scale if scaled else weight  # (a pointer the kernel never reads)
