@@ -73,7 +73,9 @@ def test_auto_is_lossless_and_both_drafters_draft(hybrid):
                 spec, cycles, fin = run(e, prompt, depth=depth, max_new_tokens=40)
                 assert spec == plain, (depth, e is graphs)
                 s = fin.stats
-                assert s["drafter"] == f"auto(mtp, draft:{draft.name})" and 0 < s["accepted"] < s["drafted"], s
+                assert s["drafter"] == f"auto(mtp, draft:{draft.name})" and 0 < s["drafted"], s
+                if depth != "auto":  # (auto may find plain decoding cheaper on a busy CPU and draft only its probes,
+                    assert 0 < s["accepted"] < s["drafted"], s  # all of which can be accepted: CI saw 5 of 5)
                 drafted = [c for c in cycles if c.drafted]
                 assert sum(s["drafter_cycles"].values()) == len(drafted) > 0
                 # each cycle names its drafter
