@@ -1,7 +1,8 @@
 """`mtpchat bench`: plain vs speculative decoding, MTP and oracle drafters, and transformers generate(), in one run.
 
 Every row decodes the same prompt for the same number of tokens (EOS ignored), after a warm-up, and reports the
-median of --repeat runs, each from an empty state (its prefill included). With --prompt-tokens N,N2,... every row
+median of --repeat runs, each from an empty state (its prefill included); the rows run in rounds, one run of each
+per round, so that a machine's drift over the run falls on them alike. With --prompt-tokens N,N2,... every row
 is measured at each prompt length, with prefill tok/s, time to first token and peak memory beside the decode
 numbers. Compare ratios within one run, not numbers across machines.
 """
@@ -14,8 +15,9 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -125,26 +127,51 @@ def _sync(dev):
 ONCE_PER_REQUEST = ("prefill", "priming")  # phases that do not recur each cycle: reported whole, not per cycle
 
 
-def measure(engine: Engine, prompt, depth: int, n: int, repeat: int, make_drafter=None, sampling=None) -> dict:
-    """One row: `repeat` warm runs (after a warm-up run), each a request from scratch (no state reused from the
-    run before: its prefill is measured too). Speeds, prefill and time to first token are the runs' medians."""
+@dataclass
+class Plan:
+    """A row to measure: its depth and drafter label, and make(reference) -> the drafter for one run (None:
+    the engine's default), given the plain row's tokens of the same round (an oracle replays them)."""
+    depth: object
+    drafter: str
+    make: Callable | None = None
+
+
+def measure(engine: Engine, prompt, plans: list[Plan], n: int, repeat: int, sampling=None) -> list[dict]:
+    """The plans' rows, measured in rounds: repeat + 1 rounds (the first warms up: allocations, autotuning) of
+    one run of every row, each a request from scratch (no state reused from the run before: its prefill is
+    measured too). Rounds, not one row after another, because a machine's speed drifts over the minutes a bench
+    takes (on a shared 2-core CPU rows minutes apart moved 20-40%): in rounds the drift falls on every row alike
+    and their ratios keep. The first plan is the plain row: every run's text is checked against its run of the
+    same round (the same seed). Speeds, prefill and time to first token are the runs' medians."""
     from engine import Finished, GenerationSettings, Tokens
 
     dev = engine.trunk.device
-    memory_before = start_peak_memory(dev)
-    runs = []
-    for i in range(repeat + 1):  # the first run warms up (allocations, autotuning)
-        settings = GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True, **(sampling or {}), seed=i,
-                                      reuse=False)
-        drafter = make_drafter() if make_drafter else None
-        tokens, fin = [], None
-        for ev in engine.generate(prompt, settings, drafter=drafter):
-            if isinstance(ev, Tokens):
-                tokens += ev.token_ids
-            elif isinstance(ev, Finished):
-                fin = ev
-        if i:
-            runs.append((fin.stats, tokens))
+    runs: list[list[tuple[dict, list[int]]]] = [[] for _ in plans]
+    memory = [{} for _ in plans]
+    same = [True] * len(plans)
+    for i in range(repeat + 1):
+        reference = None
+        for j, plan in enumerate(plans):
+            settings = GenerationSettings(max_new_tokens=n, depth=plan.depth, ignore_eos=True, **(sampling or {}),
+                                          seed=i, reuse=False)
+            drafter = plan.make(reference) if plan.make else None
+            before = start_peak_memory(dev)
+            tokens, fin = [], None
+            for ev in engine.generate(prompt, settings, drafter=drafter):
+                if isinstance(ev, Tokens):
+                    tokens += ev.token_ids
+                elif isinstance(ev, Finished):
+                    fin = ev
+            memory[j] = add_peak_memory(memory[j], peak_memory(dev, before))
+            reference = tokens if j == 0 else reference
+            same[j] = same[j] and tokens == reference
+            if i:
+                runs[j].append((fin.stats, tokens))
+    return [summary(prompt, r, mem, ok) for r, mem, ok in zip(runs, memory, same)]
+
+
+def summary(prompt, runs: list[tuple[dict, list[int]]], memory: dict, same: bool) -> dict:
+    """One row from its runs' stats and texts: medians of the speeds, the last run's acceptance, phases, text."""
     stats = [s for s, _ in runs]
     last = stats[-1]
     prefill_ms = statistics.median(s["phase_ms"].get("prefill", 0.0) for s in stats)
@@ -161,7 +188,17 @@ def measure(engine: Engine, prompt, depth: int, n: int, repeat: int, make_drafte
             # the MTP head over the whole prompt, once per request: its attention cost at this context
             "priming_ms": last["phase_ms"].get("priming"),
             **({"auto_depths": last["auto_depths"]} if last.get("auto_depths") else {}),  # --depth auto's picks
-            **peak_memory(dev, memory_before), "tokens": runs[-1][1]}
+            **memory, "same_text": same, "tokens": runs[-1][1]}
+
+
+def add_peak_memory(row: dict, run: dict) -> dict:
+    """A row's peak memory over its runs: the highest peak, and (on the CPU) the growth each of its runs caused."""
+    if not row:
+        return run
+    out = {**row, "peak_memory_bytes": max(row["peak_memory_bytes"], run["peak_memory_bytes"])}
+    if "peak_rss_growth_bytes" in run:
+        out["peak_rss_growth_bytes"] = row["peak_rss_growth_bytes"] + run["peak_rss_growth_bytes"]
+    return out
 
 
 def start_peak_memory(dev) -> int:
@@ -639,11 +676,10 @@ def _bench(args, group=None) -> int:
             "prompts": [about for _, about in prompts], **ready, "command": command_line(args)}
 
     def add(row: dict) -> None:
-        """A measured row: --out is rewritten with every row so far (a failure later keeps them)."""
+        """A measured row: --out is rewritten with every row so far (a failure at a later prompt keeps them)."""
         rows.append(row)
         if args.out and lead:
-            write_json(args.out, {**head, "complete": False,
-                                  "results": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]})
+            write_json(args.out, {**head, "complete": False, "results": rows})
 
     plains = [prompt_rows(engine, args, prompt, add, with_modes=i == 0) for i, (prompt, _) in enumerate(prompts)]
     plain, first = plains[0], prompts[0][0]  # the first prompt's plain row: what the baselines below compare with
@@ -693,52 +729,50 @@ def prompt_rows(engine: Engine, args, prompt: list[int], add, with_modes: bool) 
                 if args.temperature > 0 else None)
     compiled = runner is not None and trunk.compiled_block is not None
     mode = ("graphs+compile" if compiled else "graphs") if runner else "eager"
+
+    def rows_of(plans: list[Plan], mode: str) -> list[dict]:
+        return [{"depth": p.depth, "drafter": p.drafter, "mode": mode, **r}
+                for p, r in zip(plans, measure(engine, prompt, plans, n, args.repeat, sampling))]
+
     rows = []
-
-    def row(depth: int, drafter: str, mode: str, measured: dict) -> None:
-        rows.append({"depth": depth, "drafter": drafter, "mode": mode, **measured})
-        add(rows[-1])
-
     if runner and with_modes:  # the same plain decode without graph replay (and without compilation)
         trunk.graphs = None
-        row(0, "none", "eager", measure(engine, prompt, 0, n, args.repeat, sampling=sampling))
+        rows += rows_of([Plan(0, "none")], "eager")
         trunk.graphs = runner
         if compiled:
             block, trunk.compiled_block = trunk.compiled_block, None
             runner.reset()
-            row(0, "none", "graphs", measure(engine, prompt, 0, n, args.repeat, sampling=sampling))
+            rows += rows_of([Plan(0, "none")], "graphs")
             trunk.compiled_block = block
             runner.reset()
-    plain = measure(engine, prompt, 0, n, args.repeat, sampling=sampling)
-    reference = plain["tokens"]
-    row(0, "none", mode, plain)
+    plans = [Plan(0, "none")]
     profiles = acceptance_profiles(args, n)
     for depth in spec_depths(args.depths):
         if "mtp" in drafters and engine.mtp_drafter is not None:
-            row(depth, "mtp", mode, measure(engine, prompt, depth, n, args.repeat, lambda: engine.mtp_drafter,
-                                            sampling))
+            plans.append(Plan(depth, "mtp", lambda _: engine.mtp_drafter))
         if "draft" in drafters and engine.draft_drafter is not None:  # (its "draft" phase: its share of a cycle)
-            row(depth, engine.draft_drafter.name, mode, measure(engine, prompt, depth, n, args.repeat,
-                                                                lambda: engine.draft_drafter, sampling))
+            plans.append(Plan(depth, engine.draft_drafter.name, lambda _: engine.draft_drafter))
         if "oracle" in drafters:
+            # (one seed for every depth: the rows' draws are common random numbers, see OracleDrafter.correct)
             for rate in rates:
-                # (one seed for every depth: the rows' draws are common random numbers, see OracleDrafter.correct)
-                make = lambda: OracleDrafter(reference, len(prompt), 1.0 - rate, trunk.config.vocab_size)  # noqa: E731
-                row(depth, f"oracle@{rate:g}", mode, measure(engine, prompt, depth, n, args.repeat, make, sampling))
+                plans.append(Plan(depth, f"oracle@{rate:g}", lambda ref, rate=rate: OracleDrafter(
+                    ref, len(prompt), 1.0 - rate, trunk.config.vocab_size)))
             for label, kwargs in profiles:
-                make = lambda: OracleDrafter(reference, len(prompt), 0.0, trunk.config.vocab_size,  # noqa: E731
-                                             **kwargs)
-                row(depth, label, mode, measure(engine, prompt, depth, n, args.repeat, make, sampling))
+                plans.append(Plan(depth, label, lambda ref, kwargs=kwargs: OracleDrafter(
+                    ref, len(prompt), 0.0, trunk.config.vocab_size, **kwargs)))
         if "auto" in drafters and engine.auto_drafter is not None:  # (its estimates carry over from run to run)
-            row(depth, engine.auto_drafter.name, mode, measure(engine, prompt, depth, n, args.repeat,
-                                                               lambda: engine.auto_drafter, sampling))
-    for r in rows:
-        same = r.pop("tokens") == reference
+            plans.append(Plan(depth, engine.auto_drafter.name, lambda _: engine.auto_drafter))
+    rows += rows_of(plans, mode)
+    plain = rows[-len(plans)]
+    reference = plain["tokens"]
+    for r in rows:  # (the rows of other modes are checked against the plain row's last run)
+        same = r.pop("tokens") == reference and r.pop("same_text")
         r["identical_to_plain"] = same if sampling is None else None  # sampled texts differ by design
         r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
         r["commit_refresh_share"] = commit_refresh_share(r)
         if r["drafter"].startswith("draft:"):
             r["draft_cost"] = draft_cost(r, plain)
+        add(r)
     return plain
 
 
