@@ -5,8 +5,9 @@ profiles, drawn as the bench's OracleDrafter draws them: one seed for every row 
 keyed by (token index, position), so rows share their luck. A run here is one bench run; runs differ by seed.
 `python3 packaging/bench/auto_sim.py [--known-costs]` (CPU, seconds); `--trace PROFILE`: for each run below
 0.97, auto's depths over the reply and its estimates at each move off or onto depth 4. `--costs cpu-demo`: the demo
-model's on the 2-core CPU instead. A drafting cycle after plain ones also pays the head's catch-up over their
-tokens (`--catch-up`, ms a token); `--noise F`: each cycle's cost off by up to +-F of it, uniformly (a shared CPU).
+model's on the 2-core CPU instead (`cpu-demo-now`: the same CPU as measured in stop 42). A drafting cycle after plain ones also pays the head's catch-up over their
+tokens (`--catch-up`, ms a token) and `--switch-ms` once; `--noise F`: each cycle's cost off by up to +-F of it,
+uniformly (a shared CPU). Profile `demo`: the demo model's MTP head on the bench prompt.
 """
 import argparse
 import statistics
@@ -23,8 +24,12 @@ CPU_MS = {0: 8.2, 1: 14.0, 2: 16.4, 3: 18.7, 4: 21.0}
 # per plain token, what the next drafting cycle pays running the drafter over it (its catch-up): the 27B H200 runs
 # drafted with the oracle (no head). The demo's MTP head on this CPU ran over 16 rows in 0.2-1.5 ms more than over
 # the 1-4 rows every drafting cycle's catch-up covers anyway, at a 16 ms plain step: about 0.05 ms a token at 8.2
-COSTS = {"h200-27b": (COST_MS, 0.0), "cpu-demo": (CPU_MS, 0.05)}
-CATCH_UP_MS, NOISE = 0.0, 0.0  # (main sets them, and COST_MS)
+# the same CPU in stop 42 (slower than it was: a VM's), from the bench's demo rows (tokens a cycle / tok/s), the
+# catch-up scaled with the plain step; there a drafting cycle after plain ones also took 3.8 ms more than one after
+# drafting ones (2.75 of it in its verify pass, 0.7 in the head's catch-up: --switch-ms 3.8)
+CPU_MS_NOW = {0: 15.2, 1: 25.7, 2: 31.0, 3: 35.5, 4: 41.0}
+COSTS = {"h200-27b": (COST_MS, 0.0), "cpu-demo": (CPU_MS, 0.05), "cpu-demo-now": (CPU_MS_NOW, 0.09)}
+CATCH_UP_MS, NOISE, SWITCH_MS = 0.0, 0.0, 0.0  # (main sets them, and COST_MS)
 EASY, HARD = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.0]  # cmd_bench's 'changing' profile
 PROFILES = {
     "flat 1.0": lambda made, n: [1.0] * 4,
@@ -32,6 +37,9 @@ PROFILES = {
     "flat 0": lambda made, n: [0.0] * 4,
     "0.92/0.84/0.65/0.54": lambda made, n: [0.92, 0.84, 0.65, 0.54],
     "changing": lambda made, n: EASY if made < n // 2 else HARD,
+    # the demo model's MTP head on the bench prompt, conditional per position (its depth 2-4 rows on the 2-core CPU,
+    # stop 42: unconditional 0.70 0.42 0.39 0.30 at depth 4): low at the first position, higher deeper
+    "demo": lambda made, n: [0.71, 0.64, 0.85, 0.77],
 }
 
 
@@ -54,7 +62,7 @@ def reply(profile, depth, n: int, seed: int, known: bool = False, trace: list | 
                 break
         cycle_ms = COST_MS[k] * (1 + NOISE * (2 * uniform(seed, made, 99) - 1))
         if k:  # (the head over the plain cycles' tokens first)
-            cycle_ms, backlog = cycle_ms + CATCH_UP_MS * backlog, 0
+            cycle_ms, backlog = cycle_ms + CATCH_UP_MS * backlog + SWITCH_MS * (backlog > 0), 0
         chooser.observe(k, flags, cycle_ms)
         made += 1 + sum(flags[: flags.index(False)] if False in flags else flags)
         ms += cycle_ms
@@ -96,11 +104,13 @@ def main():
     ap.add_argument("--costs", choices=COSTS, default="h200-27b")
     ap.add_argument("--catch-up", type=float, help="ms a plain token (default: the --costs one's)")
     ap.add_argument("--noise", type=float, default=0.0)
+    ap.add_argument("--switch-ms", type=float, default=0.0,
+                    help="what a drafting cycle after plain ones pays besides the catch-up per token")
     args = ap.parse_args()
-    global COST_MS, CATCH_UP_MS, NOISE
+    global COST_MS, CATCH_UP_MS, NOISE, SWITCH_MS
     COST_MS, CATCH_UP_MS = COSTS[args.costs]
     CATCH_UP_MS = CATCH_UP_MS if args.catch_up is None else args.catch_up
-    NOISE = args.noise
+    NOISE, SWITCH_MS = args.noise, args.switch_ms
     known = args.known_costs
     if args.trace:
         profile = PROFILES[args.trace]
