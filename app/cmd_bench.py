@@ -766,7 +766,7 @@ def prompt_rows(engine: Engine, args, prompt: list[int], add, with_modes: bool) 
     plain = rows[-len(plans)]
     reference = plain["tokens"]
     for r in rows:  # (the rows of other modes are checked against the plain row's last run)
-        same = r.pop("tokens") == reference and r.pop("same_text")
+        same = r.pop("same_text") & (r.pop("tokens") == reference)
         r["identical_to_plain"] = same if sampling is None else None  # sampled texts differ by design
         r["speedup"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else None
         r["commit_refresh_share"] = commit_refresh_share(r)
