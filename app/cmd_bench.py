@@ -163,7 +163,8 @@ def measure(engine: Engine, prompt, plans: list[Plan], n: int, repeat: int, samp
                 elif isinstance(ev, Finished):
                     fin = ev
             memory[j] = add_peak_memory(memory[j], peak_memory(dev, before))
-            reference = tokens if j == 0 else reference
+            if j == 0:
+                reference = tokens
             same[j] = same[j] and tokens == reference
             if i:
                 runs[j].append((fin.stats, tokens))

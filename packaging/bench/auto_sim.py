@@ -5,9 +5,10 @@ profiles, drawn as the bench's OracleDrafter draws them: one seed for every row 
 keyed by (token index, position), so rows share their luck. A run here is one bench run; runs differ by seed.
 `python3 packaging/bench/auto_sim.py [--known-costs]` (CPU, seconds); `--trace PROFILE`: for each run below
 0.97, auto's depths over the reply and its estimates at each move off or onto depth 4. `--costs cpu-demo`: the demo
-model's on the 2-core CPU instead (`cpu-demo-now`: the same CPU as measured in stop 42). A drafting cycle after plain ones also pays the head's catch-up over their
-tokens (`--catch-up`, ms a token) and `--switch-ms` once; `--noise F`: each cycle's cost off by up to +-F of it,
-uniformly (a shared CPU). Profile `demo`: the demo model's MTP head on the bench prompt.
+model's on the 2-core CPU instead (`cpu-demo-now`: the same CPU as measured in stop 42). A drafting cycle after
+plain ones also pays the head's catch-up over their tokens (`--catch-up`, ms a token) and `--switch-ms` once;
+`--noise F`: each cycle's cost off by up to +-F of it, uniformly (a shared CPU). Profile `demo`: the demo model's
+MTP head on the bench prompt.
 """
 import argparse
 import statistics
