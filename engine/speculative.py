@@ -111,14 +111,14 @@ def abandon(caches, drafter, e: BaseException, stepped: bool) -> None:
                         f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from e
 
 
-def decode_step(trunk, caches, drafter, inp: torch.Tensor):
+def decode_step(trunk, caches, drafter, inp: torch.Tensor, fed: bool = False):
     """Plain decoding's in-place graph step over the last committed token inp [1, 1] -> (hidden, logits, argmax),
     static; None when the step has no graph. The replay writes the state (all or nothing on a GPU; on the CPU a
     failure inside it raises StateLost), so the token counts as processed at once, and the head observes its
-    hidden state at once: a step is never taken back."""
+    hidden state at once: a step is never taken back. fed: inp is the last step's own argmax (GraphRunner.decode)."""
     caches.kv.reserve(1)
     try:  # (a capture that fails returns None with the state put back; what raises is the replay or after it)
-        stepped = trunk.graphs.decode(inp, caches.processed, caches)
+        stepped = trunk.graphs.decode(inp, caches.processed, caches, fed)
         kept = drafter.keep(stepped[0]) if stepped is not None and drafter is not None else None
     except BaseException as e:
         raise StateLost(f"decoding failed in an in-place step ({type(e).__name__}: {str(e)[:160]})") from e
@@ -183,9 +183,11 @@ class Launched:
     refreshed: tuple | None = None  # the head refreshed inside the verify graph: (first draft, hidden), static
 
 
-def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, timer: PhaseTimer) -> Launched:
+def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, timer: PhaseTimer,
+           fed: bool = False) -> Launched:
     """Draft and verify one cycle and start copying its acceptance to the host; nothing waits for the GPU.
-    Leaves the committed state on any exception (StateLost once an in-place plain step has run)."""
+    Leaves the committed state on any exception (StateLost once an in-place plain step has run). fed: the last
+    token is the greedy argmax of an in-place plain step, committed as it came (decode_step)."""
     k = min(depth, req.max_new - len(req.generated) - 1) if drafter is not None else 0
     stepped, refreshed = False, None
     try:
@@ -197,10 +199,11 @@ def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, tim
             inp = torch.cat([seq[-1:], drafts]).unsqueeze(0) if k else req.seq[req.length - 1 : req.length][None]
             if not k:  # (no draft tensor unless sampling needs one: each op costs the host a few us)
                 drafts, q = None if req.sampling.greedy else inp[0, 1:], None
-            out = decode_step(trunk, caches, drafter, inp) if k == 0 and trunk.graphs is not None else None
+            out = decode_step(trunk, caches, drafter, inp, fed) if k == 0 and trunk.graphs is not None else None
             stepped = out is not None
-            if stepped:  # (greedy: the token came out of the step's graph; a copy, the next replay reuses it)
-                hidden, logits, packed = out[0], out[1], out[2].clone() if req.sampling.greedy else None
+            if stepped:  # (greedy: the token came out of the step's graph, static: read and committed before the
+                # next step is launched, in cycle)
+                hidden, logits, packed = out[0], out[1], out[2] if req.sampling.greedy else None
             else:
                 caches.kv.reserve(k + 1)
                 head = drafter if k and refreshes_in_verify(trunk, drafter, req) else None
@@ -253,7 +256,7 @@ def cycle(trunk, caches, drafter, req: Request, flight: Flight, depth: int, time
         try:
             req.append(c.packed)
             if depth == 0 and len(req.generated) + 1 < req.max_new:
-                flight.launched = launch(trunk, caches, drafter, req, flight, depth, timer)
+                flight.launched = launch(trunk, caches, drafter, req, flight, depth, timer, fed=True)
         except BaseException as e:
             abandon(caches, drafter, e, stepped=True)
             raise

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine
 from engine import DecodeControl, GenerationSettings, load_engine
@@ -35,6 +36,24 @@ def stopped_after(engine, prompt, settings: GenerationSettings, n: int):
         if isinstance(ev, Tokens) and len(tokens_of(events)) >= n:
             control.stop()
     return tokens_of(events), events
+
+
+class BufferWrites(TorchDispatchMode):
+    """Counts the ops outside a graph's step that write its position (fill_) or its input buffer (a copy_ from
+    elsewhere; graphs.Rerun's copy of the step's token onto itself is the step's own write)."""
+
+    def __init__(self, graphs):
+        super().__init__()
+        self.graphs, self.fills, self.copies = graphs, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        dest = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if dest is not None:
+            self.fills += func is torch.ops.aten.fill_.Scalar and dest.data_ptr() == self.graphs.pos.data_ptr()
+            buf = self.graphs.graphs[1][1][0] if self.graphs.graphs else None
+            self.copies += (func is torch.ops.aten.copy_.default and buf is not None
+                            and dest.data_ptr() == buf.data_ptr() != args[1].data_ptr())
+        return func(*args, **(kwargs or {}))
 
 
 def next_turn(engine, first, reply: list[int], question: str, n: int) -> list:
@@ -172,8 +191,12 @@ def test_plain_decoding_one_step_ahead_is_exact_and_the_next_turn_continues_from
 
     ahead, eager, fresh = load_engine(DEMO, cuda_graphs=True), load_engine(DEMO), load_engine(DEMO)
     first = [{"role": "user", "content": "What is a dictionary in Python?"}]
-    prompt, toks, _, fin = turn(ahead, first)
+    with BufferWrites(ahead.graph_runner.decodes) as writes:
+        prompt, toks, _, fin = turn(ahead, first)
     assert fin.reason == "eos" and (prompt, toks) == turn(eager, first)[:2]
+    # the chain of steps sets its position and copies its token in once, at its first step: each step after it
+    # moves the position on and reads the token the step before it wrote, with nothing launched in between
+    assert len(toks) > 20 and writes.fills == 1 and writes.copies == 1, (writes.fills, writes.copies)
     assert ahead.caches.processed == len(prompt) + len(toks)  # the EOS was processed by the step ahead
     assert eager.caches.processed == len(prompt) + len(toks) - 1
     assert ahead.graph_runner.decodes.replays[1] == len(toks)  # one step per token after the first, plus one

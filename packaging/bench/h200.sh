@@ -35,6 +35,8 @@
 #                                         # to end: the 80B-A3B slice in bf16, the whole 80B-A3B in FP8
 #   bash packaging/bench/h200.sh linear16b  # the same on the 27B shape, bf16 and FP8
 #   bash packaging/bench/h200.sh linear16c  # their GPU test; the 27B shape in Int4 with them (its bf16 lm_head, b + a)
+#   bash packaging/bench/h200.sh where80  # kernels of one 80B-A3B slice step (bf16, --compile, the 16-bit Triton
+#                                         # linears); the demo model's cycles: wall vs GPU busy
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
 # the device's python3 has none of them.
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
@@ -261,5 +263,10 @@ linear16c)  # about 4 minutes
   gpu_tests 90 "$OUT/gpu_tests_linear16c.log" tests/test_linear16_triton.py
   BENCH_TIMEOUT=200 bench --random-weights qwen3.5-27b --quant int4 --compile --depths 0,3 --drafter oracle \
         --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_int4_linear16_h200.json"
+  ;;
+where80)  # about 4 minutes
+  timeout 200 python3 packaging/bench/profile_step.py --random-weights qwen3-next-80b-a3b --layers 12 --compile \
+        --host 128 --json "$OUT/profile80b_12l_linear16_h200.json" 2>&1 | grep -v Warn | tail -60
+  timeout 150 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --json "$OUT/cycle_demo_h200.json" 2>&1 | grep depth
   ;;
 esac
