@@ -126,16 +126,14 @@ class StepGraphs:
         token went into the sequence as it was); copied anyway unless that replay was at this width and left the
         position where this one runs."""
         graph, bufs, out = self.graphs[width]
-        if not (fed and self.fed is not None and self.fed == (width, self.at)):
+        if not (fed and self.fed == (width, self.at)):
             for buf, x in zip(bufs, inputs):
                 buf.copy_(x)
         at, self.at, self.fed = self.at, None, None  # (a replay that raises leaves both unknown)
         graph.replay()
-        if self.chained and at is not None:
-            self.at = at + 1
-            self.fed = (width, self.at)
-        elif not self.chained:
-            self.at = at
+        if at is not None:
+            self.at = at + 1 if self.chained else at
+            self.fed = (width, self.at) if self.chained else None
         self.replays[width] = self.replays.get(width, 0) + 1
         return out
 
