@@ -1,4 +1,6 @@
 import gc
+import importlib
+import inspect
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -13,6 +15,35 @@ from fixtures import memo, write_checkpoint  # noqa: E402
 # One intra-op thread: the tiny models' ops are small, and on CPU cores shared with other work torch's threads
 # busy-wait for each other (measured here: a sampled 6-token reply 31 ms with 1 thread, 610 ms with 2).
 torch.set_num_threads(1)
+
+
+def cpu_oracle_takes_the_torch_path() -> None:
+    """transformers binds its GDN functions to FLA's kernels at import when FLA is installed, whatever the device:
+    on a CUDA machine its CPU float32 oracle then hands CPU tensors to Triton and fails ("cannot be accessed from
+    Triton (cpu tensor?)"). CPU tensors go to its own torch reference (the function it wraps); CUDA ones still to
+    what it chose."""
+    for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            chosen = getattr(module, name)
+            reference = inspect.unwrap(chosen)
+            if reference is not chosen:
+                setattr(module, name, by_device(chosen, reference))
+
+
+def by_device(chosen, reference):
+    params = inspect.signature(reference).parameters
+
+    def run(*args, **kwargs):
+        query = args[0] if args else kwargs["query"]
+        if query.device.type != "cpu":
+            return chosen(*args, **kwargs)
+        return reference(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+    return run
+
+
+cpu_oracle_takes_the_torch_path()
 
 
 
