@@ -32,6 +32,8 @@ def cpu_oracle_takes_the_torch_path() -> None:
 
 
 def by_device(chosen, reference):
+    """chosen for tensors on a GPU, reference (given only the keywords it takes, as transformers' wrapper does)
+    on the CPU."""
     params = inspect.signature(reference).parameters
 
     def run(*args, **kwargs):
@@ -44,7 +46,6 @@ def by_device(chosen, reference):
 
 
 cpu_oracle_takes_the_torch_path()
-
 
 
 @pytest.fixture(autouse=True)
