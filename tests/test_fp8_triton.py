@@ -9,6 +9,19 @@ import torch.nn.functional as F
 
 from engine.fp8 import FP8Linear, dequantize, quantize
 
+try:  # (CI's CPU-only torch has no Triton: the tests below skip there)
+    import triton
+    import triton.language as tl
+
+    from engine.fp8_triton import _fp8_as_bf16
+
+    @triton.jit
+    def _convert_bytes(W, Y, ASM: tl.constexpr):
+        i = tl.arange(0, 256)
+        tl.store(Y + i, _fp8_as_bf16(tl.load(W + i), ASM))
+except ImportError:
+    _convert_bytes = None
+
 
 def _fp8(n, k, device, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -25,6 +38,11 @@ def _fp8(n, k, device, seed=0):
     (256, 1024, 3, ("dot", (32, 2, 4, 4))),
     (136, 256, 40, ("dot", (64, 8, 4, 3))),  # a graph prefill's bucket (BLOCK_M 64)
     (128, 128, 130, ("dot", (128, 4, 4, 3))),  # two row blocks of 128
+    # the FP8 bytes made bf16 by bit moves (CUDA; the interpreter, whose bf16 dot is not exact, runs fp16 inputs,
+    # which take the dot form: _fp8_as_bf16 has its own test below)
+    (200, 300, 5, ("dotbits", (64, 8, 4, 3))),  # edge blocks, verify rows
+    (256, 1024, 1, ("dotbits", (32, 2, 4, 4))),  # one row, K in slices
+    (136, 256, 40, ("dotbits", (64, 8, 4, 3))),
 ])
 def test_the_kernel_equals_the_dequantized_matmul(triton_device, n, k, rows, config):
     from engine import fp8_triton
@@ -55,6 +73,21 @@ def test_the_kernels_stream_a_16_bit_weight_as_f_linear_computes(triton_device, 
     assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
 
 
+def test_every_fp8_byte_becomes_its_bf16_exactly(triton_device):
+    """The bit moves of the dotbits form (the PTX on CUDA, its per-byte twin in the interpreter): all 256 bytes,
+    subnormals and signed zeros included, equal torch's float8_e4m3fn values times 2^-120."""
+    b = torch.arange(256, dtype=torch.uint8, device=triton_device)
+    y = torch.empty(256, dtype=torch.bfloat16, device=triton_device)
+    _convert_bytes[(1,)](b, y, triton_device.type == "cuda")
+    want = b.view(torch.float8_e4m3fn).float()
+    finite = ~want.isnan()  # (0x7F and 0xFF: e4m3fn's NaNs, never in a checkpoint's weights)
+    got = y.float() * 2.0**120
+    assert torch.equal(got[finite], want[finite]), [(i, got[i].item(), want[i].item()) for i in range(256)
+                                                   if finite[i] and got[i] != want[i]][:8]
+    assert torch.equal(y.view(torch.int16).bitwise_and(-32768)[finite], b.to(torch.int16).mul(256)
+                       .bitwise_and(-32768)[finite].to(torch.int16))  # the sign bit, -0 included
+
+
 def test_the_row_kernel_gives_a_row_what_it_gives_it_alone(triton_device):
     """Its rows are independent: the same multiply-adds in the same order whatever the width."""
     from engine import fp8_triton
@@ -62,7 +95,7 @@ def test_the_row_kernel_gives_a_row_what_it_gives_it_alone(triton_device):
     dtype = torch.bfloat16 if triton_device.type == "cuda" else torch.float16
     w, s = _fp8(384, 512, triton_device)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1)).to(triton_device, dtype)
-    for choice in (("rows", (64, 2, 4, 4)), ("dot", (32, 2, 4, 4))):
+    for choice in (("rows", (64, 2, 4, 4)), ("dot", (32, 2, 4, 4)), ("dotbits", (32, 2, 4, 4))):
         verify = fp8_triton._launch(x, w, s, choice)
         for i in range(5):
             assert torch.equal(fp8_triton._launch(x[i : i + 1], w, s, choice), verify[i : i + 1]), choice

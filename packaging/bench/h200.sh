@@ -35,6 +35,8 @@
 #                                         # to end: the 80B-A3B slice in bf16, the whole 80B-A3B in FP8
 #   bash packaging/bench/h200.sh linear16b  # the same on the 27B shape, bf16 and FP8
 #   bash packaging/bench/h200.sh linear16c  # their GPU test; the 27B shape in Int4 with them (its bf16 lm_head, b + a)
+#   bash packaging/bench/h200.sh bits     # FP8 GPU tests; the FP8 kernels per call (dotbits: the tensor-core form
+#                                         # without conversion instructions) at 1-5 rows; 27B shape FP8 --compile
 #   bash packaging/bench/h200.sh where80  # kernels of one 80B-A3B slice step (bf16, --compile, the 16-bit Triton
 #                                         # linears); the demo model's cycles: wall vs GPU busy
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
@@ -263,6 +265,13 @@ linear16c)  # about 4 minutes
   gpu_tests 90 "$OUT/gpu_tests_linear16c.log" tests/test_linear16_triton.py
   BENCH_TIMEOUT=200 bench --random-weights qwen3.5-27b --quant int4 --compile --depths 0,3 --drafter oracle \
         --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_int4_linear16_h200.json"
+  ;;
+bits)  # about 7 minutes
+  gpu_tests 90 "$OUT/gpu_tests_bits.log" tests/test_fp8_triton.py
+  timeout 200 python3 packaging/bench/quant_kernels.py --quant fp8 --rows 1,4 \
+        --json "$OUT/quant_kernels_fp8_dotbits_h200.json" 2>&1 | grep -v '^{' | tail -20
+  BENCH_TIMEOUT=240 bench --random-weights qwen3.5-27b --quant fp8 --compile --depths 0,3 --drafter oracle \
+        --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_fp8_dotbits_h200.json"
   ;;
 where80)  # about 4 minutes
   timeout 200 python3 packaging/bench/profile_step.py --random-weights qwen3-next-80b-a3b --layers 12 --compile \
