@@ -36,7 +36,7 @@
 #   bash packaging/bench/h200.sh linear16b  # the same on the 27B shape, bf16 and FP8
 #   bash packaging/bench/h200.sh linear16c  # their GPU test; the 27B shape in Int4 with them (its bf16 lm_head, b + a)
 #   bash packaging/bench/h200.sh bits     # FP8 GPU tests; the FP8 kernels per call (dotbits: the tensor-core form
-#                                         # without conversion instructions) at 1-5 rows; 27B shape FP8 --compile
+#                                         # without conversion instructions) at 1 and 4 rows; 27B shape FP8 --compile
 #   bash packaging/bench/h200.sh where80  # kernels of one 80B-A3B slice step (bf16, --compile, the 16-bit Triton
 #                                         # linears); the demo model's cycles: wall vs GPU busy
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
