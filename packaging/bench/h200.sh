@@ -37,6 +37,7 @@
 #   bash packaging/bench/h200.sh linear16c  # their GPU test; the 27B shape in Int4 with them (its bf16 lm_head, b + a)
 #   bash packaging/bench/h200.sh bits     # FP8 GPU tests; the FP8 kernels per call (dotbits: the tensor-core form
 #                                         # without conversion instructions) at 1 and 4 rows; 27B shape FP8 --compile
+#   bash packaging/bench/h200.sh suite [GROUP ...]  # test modules on a CUDA host, a process per group of them
 #   bash packaging/bench/h200.sh where80  # kernels of one 80B-A3B slice step (bf16, --compile, the 16-bit Triton
 #                                         # linears); the demo model's cycles: wall vs GPU busy
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
@@ -272,6 +273,19 @@ bits)  # about 7 minutes
         --json "$OUT/quant_kernels_fp8_dotbits_h200.json" 2>&1 | grep -v '^{' | tail -20
   BENCH_TIMEOUT=240 bench --random-weights qwen3.5-27b --quant fp8 --compile --depths 0,3 --drafter oracle \
         --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_fp8_dotbits_h200.json"
+  ;;
+suite)  # the test modules that load engines, on a CUDA host, four processes at once (each ${SUITE_LIMIT:-500} s at
+  # most): unmarked tests must pass there as in CI (CPU, float32), gpu-marked ones on the GPU. Logs: $OUT/g*.log
+  groups=("${@:2}")
+  [ ${#groups[@]} -gt 0 ] || groups=("tests/test_gpu.py tests/test_fp8_triton.py tests/test_fp8.py tests/test_host_embedding.py"
+    "tests/test_exactness.py tests/test_reuse.py tests/test_chat_encoding.py"
+    "tests/test_graphs.py tests/test_long_context.py tests/test_memory_fallbacks.py"
+    "tests/test_draft_model.py tests/test_autodepth.py tests/test_thinking.py tests/test_bench.py tests/test_fp8_moe.py")
+  for i in "${!groups[@]}"; do
+    timeout -s INT "${SUITE_LIMIT:-500}" python3 -m pytest -p no:cacheprovider -q -rf ${groups[$i]} > "$OUT/g$i.log" 2>&1 &
+  done
+  wait
+  for i in "${!groups[@]}"; do echo "== ${groups[$i]}"; grep -E "^(FAILED|ERROR)|passed|failed|rror" "$OUT/g$i.log" | tail -8; done
   ;;
 where80)  # about 4 minutes
   timeout 200 python3 packaging/bench/profile_step.py --random-weights qwen3-next-80b-a3b --layers 12 --compile \
