@@ -77,9 +77,9 @@ def tune(weight: torch.Tensor, rows: int):
     return _chosen[key]
 
 
-def _targets(modules: Iterable) -> list[tuple[torch.nn.Module, torch.Tensor]]:
-    """(module, weight) of every bias-free 16-bit nn.Linear that runs on its own and every module holding a fused
-    16-bit weight (fusion.py); a Linear fused into its parent's weight never runs alone."""
+def targets(modules: Iterable, dtypes=(torch.bfloat16, torch.float16)) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+    """(module, weight) of every bias-free nn.Linear of `dtypes` that runs on its own and every module holding a
+    fused weight of them (fusion.py; not FP8's); a Linear fused into its parent's weight never runs alone."""
     modules = list(modules)
     fused = {id(getattr(m, n)) for m in modules if getattr(m, "fused_scale_inv", None) is None
              for n in getattr(m, "fused_names", ())}
@@ -89,7 +89,7 @@ def _targets(modules: Iterable) -> list[tuple[torch.nn.Module, torch.Tensor]]:
             out.append((m, m.weight))
         elif getattr(m, "fused_weight", None) is not None and getattr(m, "fused_scale_inv", None) is None:
             out.append((m, m.fused_weight))
-    return [(m, w) for m, w in out if w.dtype in (torch.bfloat16, torch.float16)]
+    return [(m, w) for m, w in out if w.dtype in dtypes]
 
 
 def _why_not(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -109,14 +109,14 @@ def install(modules: Iterable, device: torch.device | str, dtype: torch.dtype) -
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    targets = _targets(modules)
-    if not targets:
+    found = targets(modules)
+    if not found:
         return None
     reason = _why_not(device, dtype)
     if reason is None:
         worst, shapes = 0.0, {}
         try:
-            for _, w in targets:
+            for _, w in found:
                 key = tuple(w.shape)
                 if key not in shapes:
                     shapes[key] = [tune(w, rows) for rows in CANDIDATES]
@@ -130,12 +130,12 @@ def install(modules: Iterable, device: torch.device | str, dtype: torch.dtype) -
             if not worst < SELF_CHECK_TOL:  # NaN too
                 reason = f"Triton self-check failed: error {worst:.1e}"
     if reason is not None:
-        for (n, k) in {tuple(w.shape) for _, w in targets}:  # nothing half-chosen stays behind
+        for (n, k) in {tuple(w.shape) for _, w in found}:  # nothing half-chosen stays behind
             for rows in CANDIDATES:
                 _chosen.pop((n, k, bucket(rows), device.index), None)
         return f"cuBLAS ({reason})"
     served = {shape for shape, picks in shapes.items() if any(c is not CUBLAS for c in picks)}
-    for m, w in targets:
+    for m, w in found:
         if tuple(w.shape) in served:
             if isinstance(m, torch.nn.Linear):
                 # a bound method in the instance dict (as norm_triton's): deepcopy rebinds it, del m.forward undoes it

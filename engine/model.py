@@ -264,6 +264,16 @@ def choose_linear16(backends, modules, device, dtype) -> None:
         backends.choice["linear16"] = ("triton" if why.startswith("Triton") else "cublas", why)
 
 
+def choose_cpu_linear(backends, modules, device, dtype) -> None:
+    """float32 linears at verify widths on the CPU: oneDNN over reordered weights for the shapes timed faster than
+    MKL (cpu_linear.py). Nothing is recorded off the CPU."""
+    from .cpu_linear import install
+
+    why = install(modules, device, dtype)
+    if why is not None:
+        backends.choice["cpu_linear"] = ("onednn" if why.startswith("oneDNN") else "mkl", why)
+
+
 def choose_decode_attention(trunk) -> None:
     """Graph-mode attention: the split-K Triton kernel over the filled length (attention_triton.py) when it
     serves this trunk and matches the masked form on random inputs; else the masked form, with the reason."""
@@ -394,6 +404,7 @@ class Trunk:
         choose_norm(self.backends, self.lm.modules(), self.device, self.dtype)
         choose_fp8(self.backends, self.lm.modules(), self.device, self.dtype)
         choose_linear16(self.backends, self.lm.modules(), self.device, self.dtype)
+        choose_cpu_linear(self.backends, self.lm.modules(), self.device, self.dtype)
         int4.choose(self.backends, self.lm.modules(), self.device, self.dtype)
         choose_decode_attention(self)
 

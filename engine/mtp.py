@@ -19,6 +19,7 @@ from .families import fuse_experts
 from .fusion import fuse_all
 from .modules import quantize_like_releases
 from .fp8_triton import install as install_fp8
+from .cpu_linear import install as install_cpu_linear
 from .linear16_triton import install as install_linear16
 from .norm_triton import install as install_norms
 
@@ -101,6 +102,7 @@ class MTPHead(nn.Module):
         install_norms(self.modules(), trunk.device, trunk.dtype)  # as the trunk's (model.choose_norm)
         install_fp8(self.modules(), trunk.device, trunk.dtype)  # the head's FP8 linears (model.choose_fp8)
         install_linear16(self.modules(), trunk.device, trunk.dtype)  # its 16-bit ones (model.choose_linear16)
+        install_cpu_linear(self.modules(), trunk.device, trunk.dtype)  # its float32 ones (model.choose_cpu_linear)
         int4.choose(None, self.modules(), trunk.device, trunk.dtype)  # and its 4-bit ones
         return self
 
