@@ -217,3 +217,16 @@ def test_a_reply_starts_from_the_costs_the_last_one_measured(ckpt):
     costs = engine.cycle_costs["MTPDrafter"]
     assert costs and all(ms > 0 for ms in costs.values())
     assert "by depth 0: 1000," not in first_cycle_why()  # the next reply starts from the measured costs
+
+
+def test_a_drafting_cycle_after_plain_ones_is_not_its_depths_cost():
+    """Such a cycle also pays for the switch (the drafter's catch-up, cold weights): its depth's cost is learned
+    from drafting cycles in a row only, so probes from plain decoding do not pin a dear-looking depth."""
+    c = DepthChooser(4)
+    c.observe(1, [True], 12.0)
+    for _ in range(6):
+        c.observe(0, [], 10.0)
+        c.observe(1, [False], 30.0)  # right after a plain cycle: not depth 1's cost
+    assert c.cost == {0: 10.0, 1: 12.0}
+    c.observe(1, [True], 14.0)  # after a drafting cycle: it is
+    assert c.cost[1] == pytest.approx(12.0 + WEIGHT * 2.0)
