@@ -72,7 +72,7 @@ def _serves(weight: torch.Tensor, timed: bool = True) -> bool:
     return not timed or _ms(lambda: matmul(x[:2], weight, packed)) < _ms(lambda: F.linear(x[:2], weight))
 
 
-def _why_not(device: torch.device, dtype: torch.dtype, nbytes: int) -> str | None:
+def _why_not(dtype: torch.dtype, nbytes: int) -> str | None:
     if os.environ.get("MTPCHAT_CPU_LINEAR") == "mkl":
         return "MTPCHAT_CPU_LINEAR=mkl"
     if dtype != torch.float32:
@@ -96,7 +96,7 @@ def install(modules: Iterable, device: torch.device | str, dtype: torch.dtype) -
     found = targets(modules, (dtype,))
     if not found:
         return None
-    reason = _why_not(device, dtype, sum(w.numel() * w.element_size() for _, w in found))
+    reason = _why_not(dtype, sum(w.numel() * w.element_size() for _, w in found))
     chosen: dict[tuple, bool] = {}
     if reason is None:
         try:
