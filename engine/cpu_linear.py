@@ -105,6 +105,8 @@ def install(modules: Iterable, device: torch.device | str, dtype: torch.dtype) -
                     chosen[tuple(w.shape)] = _serves(w, timed=os.environ.get("MTPCHAT_CPU_LINEAR") != "onednn")
         except Exception as e:  # (an op this torch build lacks, a failed self-check)
             reason = f"oneDNN failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    if reason is None and not any(chosen.values()):
+        reason = f"oneDNN timed no faster at two rows for any of the {len(chosen)} weight shapes"
     if reason is not None:
         return f"MKL ({reason})"
     for m, w in found:
