@@ -63,17 +63,17 @@ def _ms(fn, reps: int = 12) -> float:
     return sorted(times)[reps // 2] * 1e3
 
 
-def _serves(weight: torch.Tensor, timed: bool = True) -> bool:
-    """Whether oneDNN with the reordered weight agrees with F.linear at five rows and (timed) beats it at two."""
-    packed = reordered(weight)
+def _serves(weight: torch.Tensor, packed: torch.Tensor, timed: bool) -> bool:
+    """Whether oneDNN with `packed` (reordered(weight)) agrees with F.linear at five rows and (timed) beats it at
+    two."""
     x = torch.randn(5, weight.shape[1], generator=torch.Generator().manual_seed(0))
     if not relative_error(matmul(x, weight, packed), F.linear(x, weight)) < SELF_CHECK_TOL:
         raise ValueError(f"the oneDNN matmul disagrees with F.linear at {tuple(weight.shape)}")
     return not timed or _ms(lambda: matmul(x[:2], weight, packed)) < _ms(lambda: F.linear(x[:2], weight))
 
 
-def _why_not(dtype: torch.dtype, nbytes: int) -> str | None:
-    if os.environ.get("MTPCHAT_CPU_LINEAR") == "mkl":
+def _why_not(mode: str | None, dtype: torch.dtype, nbytes: int) -> str | None:
+    if mode == "mkl":
         return "MTPCHAT_CPU_LINEAR=mkl"
     if dtype != torch.float32:
         return f"{str(dtype).removeprefix('torch.')}: oneDNN's reordered weights serve float32 here"
@@ -96,29 +96,36 @@ def install(modules: Iterable, device: torch.device | str, dtype: torch.dtype) -
     found = targets(modules, (dtype,))
     if not found:
         return None
-    reason = _why_not(dtype, sum(w.numel() * w.element_size() for _, w in found))
-    chosen: dict[tuple, bool] = {}
+    mode = os.environ.get("MTPCHAT_CPU_LINEAR")
+    reason = _why_not(mode, dtype, sum(w.numel() * w.element_size() for _, w in found))
+    chosen: dict[tuple, bool] = {}  # weight shape -> served
+    packs: dict[int, torch.Tensor] = {}  # id(module) -> its reordered weight, where served
     if reason is None:
         try:
-            for _, w in found:
-                if tuple(w.shape) not in chosen:
-                    chosen[tuple(w.shape)] = _serves(w, timed=os.environ.get("MTPCHAT_CPU_LINEAR") != "onednn")
+            for m, w in found:
+                shape = tuple(w.shape)
+                if shape in chosen and not chosen[shape]:
+                    continue
+                packed = reordered(w)  # (each weight reordered once: the first of a shape is the one timed)
+                if shape not in chosen:
+                    chosen[shape] = _serves(w, packed, timed=mode != "onednn")
+                if chosen[shape]:
+                    packs[id(m)] = packed
         except Exception as e:  # (an op this torch build lacks, a failed self-check)
             reason = f"oneDNN failed: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    if reason is None and not any(chosen.values()):
+    if reason is None and not packs:
         reason = f"oneDNN timed no faster at two rows for any of the {len(chosen)} weight shapes"
     if reason is not None:
         return f"MKL ({reason})"
     for m, w in found:
-        if chosen[tuple(w.shape)]:
+        if id(m) in packs:
             if isinstance(m, torch.nn.Linear):
-                m.cpu_packed = reordered(w)
+                m.cpu_packed = packs[id(m)]
                 m.forward = types.MethodType(_forward, m)  # (as linear16_triton's: del m.forward undoes it)
             else:
-                m.plain_kernel = functools.partial(matmul, packed=reordered(w))
+                m.plain_kernel = functools.partial(matmul, packed=packs[id(m)])
     served = sum(chosen.values())
-    copies = sum(w.numel() * w.element_size() for _, w in found if chosen[tuple(w.shape)])
-    how = "untimed: MTPCHAT_CPU_LINEAR=onednn" if os.environ.get("MTPCHAT_CPU_LINEAR") == "onednn" else \
-        "timed faster than MKL at two rows"
+    copies = sum(w.numel() * w.element_size() for m, w in found if id(m) in packs)
+    how = "untimed: MTPCHAT_CPU_LINEAR=onednn" if mode == "onednn" else "timed faster than MKL at two rows"
     return (f"oneDNN with reordered weights ({copies / 2**20:.0f} MiB) at 2-{ROWS_MAX} rows for {served} of "
             f"{len(chosen)} weight shapes ({how}); MKL for one row, prefills and the rest")
