@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .splitk import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -26,9 +28,12 @@ NEG = -1.0e30 if triton is None else tl.constexpr(-1.0e30)  # the running max's 
 
 
 if triton is not None:
+    from .splitk import after_previous
+
     @triton.jit
     def _splits(Q, K, V, POS, M, L, ACC, R, T, SPLIT, S, stride_kh, scale,
-                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
+        after_previous(PDL)
         h, s, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         live = rows < R
@@ -99,7 +104,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positio
     acc = torch.empty(hkv, splits, rows, D, device=q.device, dtype=torch.float32)
     _splits[(hkv, splits, triton.cdiv(rows, block_r))](
         qr, keys, values, positions, m, l, acc, rows, T, split, splits, keys.stride(1), scale,
-        BLOCK_R=block_r, BLOCK_N=block_n, D=D, num_warps=4, num_stages=STAGES)
+        BLOCK_R=block_r, BLOCK_N=block_n, D=D, num_warps=4, num_stages=STAGES, **pdl(qr))
     w = torch.exp(m - m.amax(1, keepdim=True))  # splits past the filled length weigh exp(NEG - max) = 0
     out = (acc * w[..., None]).sum(1) / (l * w).sum(1)[..., None]
     return out.to(q.dtype).reshape(1, H, T, D)

@@ -36,12 +36,12 @@ import torch.nn.functional as F
 
 from .fp8 import BLOCK, FP8Linear, dequantize
 from .kernels import relative_error
-from .splitk import INTERPRET, bucket, fastest, output, triton
+from .splitk import INTERPRET, bucket, fastest, output, pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from .splitk import store_tile  # (a Triton function: CPU-only installs have none)
+    from .splitk import after_previous, store_tile  # (Triton functions: CPU-only installs have none)
 
 MAX_ROWS = 256  # widths up to this run the kernels (decode, verify, graph prefills); wider ones dequantize
 SELF_CHECK_TOL = 2e-2
@@ -65,7 +65,9 @@ _chosen: dict[tuple, tuple] = {}  # (N, K, bucket, device index) -> the timed (k
 if triton is not None:
     @triton.jit
     def _fp8_rows(X, W, S, Y, P, LOCKS, M, N, K, stride_xm, stride_wn, stride_sn, KS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+                  PDL: tl.constexpr = False):
+        after_previous(PDL)
         pn, pk = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
@@ -88,11 +90,12 @@ if triton is not None:
     @triton.jit
     def _fp8_dot(X, W, S, Y, P, LOCKS, M, N, K, stride_xm, stride_wn, stride_sn, KS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
-                 BITS: tl.constexpr = False, ASM: tl.constexpr = False):
+                 BITS: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = False):
         """BITS (bf16 inputs): W holds the FP8 bytes as uint8, made bf16 by _fp8_as_bf16's bit moves instead of
         Triton's conversion (two conversion instructions a weight, issued at 16 a clock per SM on the H200,
         which held this kernel near 2.3 TB/s). Those bf16 are the weights times 2^-120, so the inputs are scaled
         by 2^64 (exact) to keep every product clear of float32's subnormals, and the sums by 2^56 at the end."""
+        after_previous(PDL)
         pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -183,13 +186,13 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
         _fp8_rows[(triton.cdiv(N, block_n), slices)](
             x2, weight, scale, out, part, locks, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0),
             KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, SCALED=scaled, num_warps=warps,
-            num_stages=stages)
+            num_stages=stages, **pdl(x2))
     else:
         bits = kind == "dotbits" and scaled and x2.dtype == torch.bfloat16  # (else: Triton's conversion, if any)
         _fp8_dot[(triton.cdiv(N, block_n), slices, triton.cdiv(M, block_m))](
             x2, weight.view(torch.uint8) if bits else weight, scale, out, part, locks, M, N, K, x2.stride(0),
             weight.stride(0), scale.stride(0), KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK,
-            SCALED=scaled, BITS=bits, ASM=bits and not INTERPRET, num_warps=warps, num_stages=stages)
+            SCALED=scaled, BITS=bits, ASM=bits and not INTERPRET, num_warps=warps, num_stages=stages, **pdl(x2))
     return out
 
 

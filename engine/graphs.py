@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from .splitk import PDL_OFF
+
 
 def compile_block(backend: str = "inductor"):
     """The decoder layer compiled once per layer kind and reused by every layer of that kind: parameters are
@@ -29,6 +31,10 @@ def compile_block(backend: str = "inductor"):
     # dynamic-width code that automatic dynamic shapes switch to at the second width cost about 6 ms more per
     # verify step than the width-1 code; the compilations are a few seconds each.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # inductor's kernels launched like splitk.pdl's (its own codegen waits where a kernel reads the previous one's
+    # output); on CUDA Hopper and later only, by inductor's own check. (A process-wide setting: the engine owns it.)
+    if not PDL_OFF and hasattr(torch._inductor.config.triton, "enable_pdl"):
+        torch._inductor.config.triton.enable_pdl = True
     return torch.compile(block, fullgraph=True, dynamic=False, backend=backend)
 
 

@@ -36,12 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from .kernels import relative_error
-from .splitk import bucket, fastest, output, triton
+from .splitk import bucket, fastest, output, pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from .splitk import store_tile  # (a Triton function: CPU-only installs have none)
+    from .splitk import after_previous, store_tile  # (Triton functions: CPU-only installs have none)
 
 MAX_ROWS = 256  # widths up to this run the W4A16 kernel; wider ones dequantize, then cuBLAS
 SELF_CHECK_TOL = 2e-2
@@ -109,7 +109,9 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])  # one compiled kernel per row bucket: none compiles inside a capture
     def _w4a16(X, QW, Z, S, Y, P, LOCKS, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s,
-               KS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               KS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               PDL: tl.constexpr = False):
+        after_previous(PDL)
         pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -132,12 +134,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _w4a16_dot8(X, QW, Z, S, Y, P, LOCKS, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s,
                     KS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    MAGIC: tl.constexpr, BASE: tl.constexpr):
+                    MAGIC: tl.constexpr, BASE: tl.constexpr, PDL: tl.constexpr = False):
         """The tensor-core form without conversion instructions or a reshape: nibble j of every word is OR-ed
         into the mantissa of a 16-bit float BASE (128 in bf16, 1024 in fp16: the float's value is BASE + q,
         exact), BASE + zero is subtracted (exact), the group scale multiplies in x's dtype (one rounding, as
         the dequantizing reference rounds), and each nibble's [BLOCK_K / 8, BLOCK_N] tile meets the input
         columns k0 + 8i + j in its own dot."""
+        after_previous(PDL)
         pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -173,7 +176,8 @@ if triton is not None:
 
     @triton.jit
     def _w4a16_row(X, QW, Z, S, Y, P, LOCKS, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s, NIBBLE,
-                   KS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                   KS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+                   PDL: tl.constexpr = False):
         """The CUDA-core form for decoding's one row: no tensor cores, so no shared-memory round trip of the
         unpacked tile (the dot forms' bound: 16 bytes of 16-bit weight a packed word through shared memory).
         Each nibble costs a shift, one LOP3 and one FMA: moved to bits 16-19 and OR-ed under the exponent of
@@ -182,6 +186,7 @@ if triton is not None:
         weight is never rounded to 16 bits). NIBBLE is 0xF0000 passed at run time: as a constant, the mask and
         the exponent were two immediates, which LOP3 cannot take together (two LOP3s a nibble). EVEN: whole
         blocks and tiles (every real shape), so no masks and 32-bit offsets."""
+        after_previous(PDL)
         pn, pk = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         i = tl.arange(0, BLOCK_K // 8)
@@ -244,18 +249,19 @@ def _launch(x2: torch.Tensor, qweight, zeros, scales, group: int, choice) -> tor
             raise ValueError(f"the row form serves one row, not {M}")
         even = N % block_n == 0 and K % bk == 0 and qweight.shape[0] * qweight.stride(0) < 2**31
         _w4a16_row[(triton.cdiv(N, block_n), slices)](*args, NIBBLE, KS=min(ks, blocks), BLOCK_N=block_n,
-                                                      BLOCK_K=bk, EVEN=even, num_warps=warps, num_stages=stages)
+                                                      BLOCK_K=bk, EVEN=even, num_warps=warps, num_stages=stages,
+                                                      **pdl(x2))
     elif kind == "dot8":  # (its dots' K is BLOCK_K / 8: tensor cores need 16)
         if bk < 128:
             raise ValueError(f"dot8 needs 128-row K-blocks, not {bk}")
         magic, base = (0x6400, 1024.0) if x2.dtype == torch.float16 else (0x4300, 128.0)
         _w4a16_dot8[(triton.cdiv(N, block_n), slices, triton.cdiv(M, block_m))](
             *args, KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, MAGIC=magic, BASE=base,
-            num_warps=warps, num_stages=stages)
+            num_warps=warps, num_stages=stages, **pdl(x2))
     else:
         _w4a16[(triton.cdiv(N, block_n), slices, triton.cdiv(M, block_m))](
             *args, KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps,
-            num_stages=stages)
+            num_stages=stages, **pdl(x2))
     return out
 
 

@@ -264,6 +264,16 @@ def choose_linear16(backends, modules, device, dtype) -> None:
         backends.choice["linear16"] = ("triton" if why.startswith("Triton") else "cublas", why)
 
 
+def choose_launch(backends, device) -> None:
+    """How the decode-path kernels launch on CUDA (splitk.pdl): recorded for the diagnostics."""
+    if device.type == "cuda":
+        from .splitk import pdl_why_not
+
+        why = pdl_why_not(device)
+        backends.choice["launch"] = ("pdl", "programmatic dependent launch: a kernel's blocks start while the "
+                                     "previous kernel drains") if why is None else ("stream order", why)
+
+
 def choose_cpu_linear(backends, modules, device, dtype) -> None:
     """float32 linears at verify widths on the CPU: oneDNN over reordered weights for the shapes timed faster than
     MKL (cpu_linear.py). Nothing is recorded off the CPU."""
@@ -407,6 +417,7 @@ class Trunk:
         choose_cpu_linear(self.backends, self.lm.modules(), self.device, self.dtype)
         int4.choose(self.backends, self.lm.modules(), self.device, self.dtype)
         choose_decode_attention(self)
+        choose_launch(self.backends, self.device)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum partial outputs of row-parallel projections across ranks (identity on one device)."""

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from .fp8 import FP8Experts
 from .fusion import dense_mlp
 from .int4 import Int4Experts
-from .splitk import fastest, output
+from .splitk import fastest, output, pdl
 
 try:
     import triton
@@ -54,7 +54,7 @@ try:
 except ImportError:  # CPU-only installs: the module still imports, available() says no
     triton = None
 else:
-    from .splitk import store_tile
+    from .splitk import after_previous, store_tile
 
 # kernel 1: BLOCK_I intermediate rows (x2: gate and up) by BLOCK_H hidden columns a step, warps; kernel 2, its form
 # ("rows": BLOCK_H output rows of a token's every pair a program; "split": of one pair, the pairs' partials summed
@@ -119,7 +119,9 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, shared_ptr, s_ptr, shared_s_ptr, act_ptr, stride_xn, stride_we,
                         stride_wr, stride_se, stride_sr, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                        SCALED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+                        SCALED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        after_previous(PDL)
         pair = tl.program_id(0)  # K pairs per token: its routed experts, then the shared expert if inline
         token = pair // K
         base, scales = _pair_expert(idx_ptr, pair, w_ptr, shared_ptr, s_ptr, shared_s_ptr, stride_we, stride_se)
@@ -149,7 +151,9 @@ if triton is not None:
     @triton.jit
     def _down_kernel(act_ptr, idx_ptr, weights_ptr, w_ptr, shared_ptr, s_ptr, shared_s_ptr, out_ptr, stride_we,
                      stride_wr, stride_se, stride_sr, stride_on, K: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                     SCALED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
+                     SCALED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+                     PDL: tl.constexpr = False):
+        after_previous(PDL)
         token = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         cols = tl.arange(0, BLOCK_I)
@@ -167,7 +171,8 @@ if triton is not None:
     def _down_split_kernel(act_ptr, idx_ptr, weights_ptr, w_ptr, shared_ptr, s_ptr, shared_s_ptr, out_ptr, part_ptr,
                            locks_ptr, n_tokens, stride_we, stride_wr, stride_se, stride_sr, K: tl.constexpr,
                            H: tl.constexpr, I: tl.constexpr, SCALED: tl.constexpr, BLOCK_H: tl.constexpr,
-                           BLOCK_I: tl.constexpr):
+                           BLOCK_I: tl.constexpr, PDL: tl.constexpr = False):
+        after_previous(PDL)
         # grid (token's row block, pair): one pair's BLOCK_H output rows a program; splitk.store_tile has the last
         # pair to finish sum the K partials in routing order (a token's rows computed alike whatever N is)
         blocks: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
@@ -186,7 +191,9 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(logits_ptr, weights_ptr, idx_ptr, stride_l, E: tl.constexpr, K: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr):
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
+                      PDL: tl.constexpr = False):
+        after_previous(PDL)
         # one program per row: float32 softmax over the E router logits, then K rounds of argmax, each round
         # masking out the expert it took; what torch.softmax + torch.topk (a sort) + the renormalisation do in
         # four kernels. SHARED: logit E is the shared expert's gate; its pair (id -1) follows the K routed ones
@@ -225,7 +232,7 @@ def route(logits: torch.Tensor, E: int, k: int, norm: bool, shared: bool = False
     if N:
         # one warp: its reductions are shuffles, no shared-memory round trips (80B shape: 3.5 us against 5.0 at 4)
         _route_kernel[(N,)](logits, weights, idx, logits.stride(0), E=E, K=k, BLOCK_E=triton.next_power_of_2(E),
-                            BLOCK_K=triton.next_power_of_2(k), NORM=norm, SHARED=shared, num_warps=1)
+                            BLOCK_K=triton.next_power_of_2(k), NORM=norm, SHARED=shared, num_warps=1, **pdl(logits))
     return weights, idx
 
 
@@ -290,19 +297,19 @@ def _run(h, idx, weights, weights_args, gate_up_config, down_config) -> torch.Te
     _gate_up_kernel[(N * K, triton.cdiv(I, block_i))](
         h, idx, gate_up, shared_gate_up, gs, sgs, act, h.stride(0), gate_up.stride(0), gate_up.stride(1),
         gs.stride(0) if scaled else 0, gs.stride(1) if scaled else 0, K=K, H=H, I=I, SCALED=scaled,
-        BLOCK_I=block_i, BLOCK_H=block_h, num_warps=warps)
+        BLOCK_I=block_i, BLOCK_H=block_h, num_warps=warps, **pdl(h))
     form, block_h, block_i, warps = down_config
     scale_strides = (ds.stride(0), ds.stride(1)) if scaled else (0, 0)
     if form == "rows":
         _down_kernel[(N, triton.cdiv(H, block_h))](
             act, idx, weights, down, shared_down, ds, sds, out, down.stride(0), down.stride(1), *scale_strides,
-            out.stride(0), K=K, H=H, I=I, SCALED=scaled, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=warps)
+            out.stride(0), K=K, H=H, I=I, SCALED=scaled, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=warps, **pdl(h))
         return out
     tiles = N * triton.cdiv(H, block_h)
     out, part, locks = output(N, H, K, tiles, h)
     _down_split_kernel[(tiles, K)](
         act, idx, weights, down, shared_down, ds, sds, out, part, locks, N, down.stride(0), down.stride(1),
-        *scale_strides, K=K, H=H, I=I, SCALED=scaled, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=warps)
+        *scale_strides, K=K, H=H, I=I, SCALED=scaled, BLOCK_H=block_h, BLOCK_I=block_i, num_warps=warps, **pdl(h))
     return out
 
 

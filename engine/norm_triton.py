@@ -20,6 +20,7 @@ from typing import Iterable
 import torch
 
 from .kernels import relative_error
+from .splitk import pdl
 
 try:
     import triton
@@ -37,9 +38,12 @@ def available() -> bool:
 
 
 if triton is not None:
+    from .splitk import after_previous
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, eps, shift, D: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, eps, shift, D: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        after_previous(PDL)
         row = tl.program_id(0).to(tl.int64)  # row * stride overflows int32 for long prefills at large D
         x_row = x_ptr + row * stride_x
         out_row = out_ptr + row * D
@@ -83,7 +87,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: float = 1.0
         x2 = x2.contiguous()
     block = min(triton.next_power_of_2(D), MAX_BLOCK)
     _rms_norm_kernel[(rows,)](x2, weight.contiguous(), out, x2.stride(0), float(eps), float(shift), D=D, BLOCK=block,
-                              num_warps=_num_warps(block))
+                              num_warps=_num_warps(block), **pdl(x2))
     return out
 
 

@@ -38,6 +38,12 @@
 #   bash packaging/bench/h200.sh bits     # FP8 GPU tests; the FP8 kernels per call (dotbits: the tensor-core form
 #                                         # without conversion instructions) at 1 and 4 rows; 27B shape FP8 --compile
 #   bash packaging/bench/h200.sh suite [GROUP ...]  # test modules on a CUDA host, a process per group of them
+#   bash packaging/bench/h200.sh moe80    # the 4-bit routed-expert kernels' GPU tests; the 80B-A3B 12-layer slice in
+#                                         # Int4; the whole 80B-A3B in FP8, compiled
+#   bash packaging/bench/h200.sh pdl      # programmatic dependent launch (MTPCHAT_PDL=0 / ours / both): GPU tests of
+#                                         # the kernels; the 80B-A3B 12-layer slice, bf16 --compile, each way in turn
+#   bash packaging/bench/h200.sh pdl2     # the same on the 27B shape (bf16 --compile, PDL both / 0) and the whole
+#                                         # 80B-A3B in FP8 (--compile, PDL both)
 #   bash packaging/bench/h200.sh where80  # kernels of one 80B-A3B slice step (bf16, --compile, the 16-bit Triton
 #                                         # linears); the demo model's cycles: wall vs GPU busy
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
@@ -291,5 +297,33 @@ where80)  # about 4 minutes
   timeout 200 python3 packaging/bench/profile_step.py --random-weights qwen3-next-80b-a3b --layers 12 --compile \
         --host 128 --json "$OUT/profile80b_12l_linear16_h200.json" 2>&1 | grep -v Warn | tail -60
   timeout 150 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --json "$OUT/cycle_demo_h200.json" 2>&1 | grep depth
+  ;;
+moe80)  # issues #23 / #29 (about 9 minutes)
+  gpu_tests 120 "$OUT/int4_moe_gpu_tests.log" tests/test_int4_moe_triton.py
+  BENCH_TIMEOUT=110 bench --random-weights qwen3-next-80b-a3b --layers 12 --quant int4 --depths 0,3 --drafter oracle \
+        --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench80b_a3b_12layers_int4_triton_h200.json"
+  BENCH_TIMEOUT=300 bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 --drafter oracle \
+        --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_compile_v2_h200.json"
+  ;;
+pdl)  # issue #28 (about 8 minutes)
+  gpu_tests 80 "$OUT/gpu_tests_pdl.log" tests/test_fp8_triton.py tests/test_moe_triton.py tests/test_linear16_triton.py \
+        -k "cuda or graph or kernel"
+  for pdl in 0 both ours both 0; do  # (both: MTPCHAT_PDL unset)
+    [ $SECONDS -lt ${PDL_LIMIT:-480} ] || break
+    if [ $pdl = both ]; then unset MTPCHAT_PDL; else export MTPCHAT_PDL=$pdl; fi
+    BENCH_TIMEOUT=150 bench --random-weights qwen3-next-80b-a3b --layers 12 --compile --depths 0,3 --drafter oracle \
+          --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench80b_12l_pdl_${pdl}_$SECONDS.json" \
+          | grep -E "compile|HBM"
+  done
+  ;;
+pdl2)  # issues #23 / #28 (about 8 minutes)
+  for pdl in both 0; do
+    if [ $pdl = both ]; then unset MTPCHAT_PDL; else export MTPCHAT_PDL=$pdl; fi
+    BENCH_TIMEOUT=150 bench --random-weights qwen3.5-27b --compile --depths 0,3 --drafter oracle --acceptance 1.0 \
+          --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_pdl_${pdl}_h200.json" | grep -E "compile|HBM"
+  done
+  unset MTPCHAT_PDL
+  BENCH_TIMEOUT=280 bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 --drafter oracle \
+        --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_pdl_both_h200.json" | grep -E "compile|HBM"
   ;;
 esac
