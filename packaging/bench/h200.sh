@@ -44,6 +44,7 @@
 #                                         # the kernels; the 80B-A3B 12-layer slice, bf16 --compile, each way in turn
 #   bash packaging/bench/h200.sh pdl2     # the same on the 27B shape (bf16 --compile, PDL both / 0) and the whole
 #                                         # 80B-A3B in FP8 (--compile, PDL both)
+#   bash packaging/bench/h200.sh pdltests # the GPU tests of every kernel launched with PDL, compiled graphs included
 #   bash packaging/bench/h200.sh where80  # kernels of one 80B-A3B slice step (bf16, --compile, the 16-bit Triton
 #                                         # linears); the demo model's cycles: wall vs GPU busy
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
@@ -325,5 +326,10 @@ pdl2)  # issues #23 / #28 (about 8 minutes)
   unset MTPCHAT_PDL
   BENCH_TIMEOUT=280 bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 --drafter oracle \
         --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_pdl_both_h200.json" | grep -E "compile|HBM"
+  ;;
+pdltests)  # about 6 minutes
+  gpu_tests ${TEST_LIMIT:-330} "$OUT/gpu_tests_pdl.log" tests/test_pdl.py tests/test_gpu.py tests/test_attention_triton.py \
+        tests/test_norm_triton.py tests/test_moe_triton.py tests/test_fp8_triton.py tests/test_linear16_triton.py
+  TEST_LIMIT=90 gpu_tests 90 "$OUT/gpu_tests_pdl_int4.log" tests/test_int4.py -k "kernel or cuda"
   ;;
 esac
