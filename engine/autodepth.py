@@ -27,7 +27,13 @@ import torch
 from .limits import MAX_DEPTH
 
 PRIOR_ACCEPTANCE = 0.6  # before any cycle: what released MTP heads reach at the first position, roughly
-WEIGHT = 0.15  # running means: the weight of the newest cycle (about the last 7 cycles count)
+WEIGHT = 0.15  # running means of the costs: the weight of the newest cycle (about the last 7 cycles count)
+# of the acceptance: about the last 10 cycles. At 0.15 the estimate of a first position accepted half the time
+# strayed below a break-even at 0.37 often enough that auto spent a quarter of a reply decoding plainly (auto_sim
+# --costs cpu-demo-onednn --known-costs, flat 0.5: 0.929 of depth 1; with this and probe_loss 0.948; the demo
+# head's profile 0.962 -> 0.976, flat 0 0.973 -> 0.970); a reply whose text turns hard is followed a few cycles
+# later ('changing': 1.066 -> 1.041 of the best fixed depth); the 27B H200 costs: within 0.003 either way
+ACCEPTANCE_WEIGHT = 0.1
 PROBE_EVERY = 16
 # a probe is due once the cycles since the last one have spent 1 / PROBE_SHARE times its extra cost (what a cycle one
 # position deeper costs over one at the chosen depth), PROBE_EVERY cycles at the least, PROBE_MAX at the most. The
@@ -140,11 +146,18 @@ class DepthChooser:
         self.since_probe_ms += costs[k]
         few = self.judged[k] < MIN_JUDGED
         unknown = few and self.all_accepted
-        due = self.since_probe >= PROBE_UNSURE if few else self.probe_due(costs[k + 1] - costs[k])
+        due = self.since_probe >= PROBE_UNSURE if few else self.probe_due(self.probe_loss(k, costs))
         if due or unknown:
             self.since_probe, self.since_probe_ms, k = 0, 0.0, k + 1
             self.why += f"; probing depth {k}"
         return k
+
+    def probe_loss(self, k: int, costs: list[float]) -> float:
+        """What a probe one position deeper than k is expected to cost: its cycle's time less what depth k's
+        cycles would take for the tokens it is expected to commit. Near the estimates' break-even the probe costs
+        next to nothing, and it is the probe that tells which side of it the reply is on."""
+        per_token = costs[k] / expected_tokens(self.acceptance, k)
+        return max(costs[k + 1] - per_token * expected_tokens(self.acceptance, k + 1), 0.0)
 
     def probe_due(self, extra_ms: float) -> bool:
         """Whether this cycle probes, a probe costing extra_ms over the chosen depth's cycle: once the cycles
@@ -167,7 +180,7 @@ class DepthChooser:
         for i, flag in enumerate(accepted):  # position i was judged: i == 0 or i - 1 was accepted
             if i < self.max_depth:
                 self.judged[i] += 1
-                w = max(WEIGHT, 1.0 / (self.judged[i] + 1)) if self.mean_first else WEIGHT
+                w = max(ACCEPTANCE_WEIGHT, 1.0 / (self.judged[i] + 1)) if self.mean_first else ACCEPTANCE_WEIGHT
                 self.acceptance[i] += w * (float(flag) - self.acceptance[i])
             if not flag:
                 break

@@ -119,7 +119,7 @@ def test_a_position_past_the_chosen_depth_is_measured_again():
     position 4: without a deeper probe, depth 3 held for the rest of the reply however good the drafts became
     (auto_sim: 7% of 1024-token runs at 0.92/0.84/0.65/0.54 below 0.97 of the best fixed depth)."""
     c, cost = DepthChooser(4), {3: 16.35, 4: 16.8}
-    for _ in range(15):
+    for _ in range(30):
         c.observe(3, [True] * 3, cost[3])
         c.observe(4, [True] * 3 + [False], cost[4])
     picks = []
@@ -151,6 +151,23 @@ def test_probes_are_spaced_by_what_they_cost_over_the_chosen_depth():
             c.observe(depth, [False] * depth, cost[depth])
         assert [i for i, d in enumerate(picks) if d] == list(range(every - 1, n, every)), (cost, picks)
         assert set(picks) == {0, 1} and c.judged[0] == MIN_JUDGED + n // every
+
+
+def test_a_probe_near_the_break_even_is_cheap_and_comes_soon():
+    """A probe's cost is its cycle less what the chosen depth would take for the tokens it is expected to commit.
+    Plain decoding at 12.0 ms against depth 1's 16.4 (the demo model, oneDNN verify widths, 2-core CPU) breaks
+    even at a first-position acceptance of 0.37: an estimate just under it (a few rejections in a row) probes
+    every PROBE_EVERY cycles, not as if every draft were lost (PROBE_MAX here), and one just over it drafts."""
+    cost = {0: 12.0, 1: 16.4, 2: 20.3, 3: 24.3, 4: 27.4}
+    c = DepthChooser(4, cost=dict(cost))
+    c.acceptance, c.judged = [0.33] + [0.0] * 3, [MIN_JUDGED] * 4
+    assert c.probe_loss(0, c.costs()) == pytest.approx(16.4 - 12.0 * 1.33)  # 0.44 ms
+    picks = [c.probe(0) for _ in range(2 * PROBE_EVERY)]
+    assert [i for i, d in enumerate(picks) if d] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1], picks
+    c.acceptance[0] = 0.0  # every draft rejected: the probe costs depth 1's extra 4.4 ms, spaced by it
+    assert c.probe_loss(0, c.costs()) == pytest.approx(4.4)
+    c.acceptance[0] = 0.40
+    assert c.pick() == 1
 
 
 def test_a_position_judged_a_few_times_is_probed_again_soon():

@@ -5,7 +5,8 @@ profiles, drawn as the bench's OracleDrafter draws them: one seed for every row 
 keyed by (token index, position), so rows share their luck. A run here is one bench run; runs differ by seed.
 `python3 packaging/bench/auto_sim.py [--known-costs]` (CPU, seconds); `--trace PROFILE`: for each run below
 0.97, auto's depths over the reply and its estimates at each move off or onto depth 4. `--costs cpu-demo`: the demo
-model's on the 2-core CPU instead (`cpu-demo-now`: the same CPU as measured in stop 42). A drafting cycle after
+model's on the 2-core CPU instead (`cpu-demo-now`: the same CPU as measured in stop 42; `cpu-demo-onednn`: with
+the verify widths on oneDNN, stop 46). A drafting cycle after
 plain ones also pays the head's catch-up over their tokens (`--catch-up`, ms a token) and `--switch-ms` once;
 `--noise F`: each cycle's cost off by up to +-F of it, uniformly (a shared CPU). Profile `demo`: the demo model's
 MTP head on the bench prompt.
@@ -29,7 +30,11 @@ CPU_MS = {0: 8.2, 1: 14.0, 2: 16.4, 3: 18.7, 4: 21.0}
 # catch-up scaled with the plain step; there a drafting cycle after plain ones also took 3.8 ms more than one after
 # drafting ones (2.75 of it in its verify pass, 0.7 in the head's catch-up: --switch-ms 3.8)
 CPU_MS_NOW = {0: 15.2, 1: 25.7, 2: 31.0, 3: 35.5, 4: 41.0}
-COSTS = {"h200-27b": (COST_MS, 0.0), "cpu-demo": (CPU_MS, 0.05), "cpu-demo-now": (CPU_MS_NOW, 0.09)}
+# the same model with the verify widths on oneDNN (stop 46, cpu_linear.py): ms a cycle from the bench's rows (tokens a
+# cycle / tok/s), the mean of cpu_linear_demo_onednn_{3,4}.json
+CPU_MS_ONEDNN = {0: 12.0, 1: 16.4, 2: 20.3, 3: 24.3, 4: 27.4}
+COSTS = {"h200-27b": (COST_MS, 0.0), "cpu-demo": (CPU_MS, 0.05), "cpu-demo-now": (CPU_MS_NOW, 0.09),
+         "cpu-demo-onednn": (CPU_MS_ONEDNN, 0.07)}
 CATCH_UP_MS, NOISE, SWITCH_MS = 0.0, 0.0, 0.0  # (main sets them, and COST_MS)
 EASY, HARD = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.0]  # cmd_bench's 'changing' profile
 PROFILES = {
