@@ -35,8 +35,9 @@ WEIGHT = 0.15  # running means of the costs: the weight of the newest cycle (abo
 # later ('changing': 1.066 -> 1.041 of the best fixed depth); the 27B H200 costs: within 0.003 either way
 ACCEPTANCE_WEIGHT = 0.1
 PROBE_EVERY = 16
-# a probe is due once the cycles since the last one have spent 1 / PROBE_SHARE times its extra cost (what a cycle one
-# position deeper costs over one at the chosen depth), PROBE_EVERY cycles at the least, PROBE_MAX at the most. The
+# a probe is due once the cycles since the last one have spent 1 / PROBE_SHARE times its cost (probe_loss: what a
+# cycle one position deeper costs over the chosen depth's time for the tokens it is expected to commit; with every
+# draft rejected, its extra cost), PROBE_EVERY cycles at the least, PROBE_MAX at the most. The
 # 27B on the H200 (14.9 ms plain, 16.2 depth 1, 16.4-16.8 deeper): every 16 cycles as before. The demo model on a
 # 2-core CPU (8.2 ms plain, 14.0 depth 1): every 16 cycles a probe from plain decoding cost 4% of a reply whose
 # drafts were all rejected (auto_sim --costs cpu-demo, flat 0: auto 0.942 of plain); now every 64 once the
@@ -160,7 +161,7 @@ class DepthChooser:
         return max(costs[k + 1] - per_token * expected_tokens(self.acceptance, k + 1), 0.0)
 
     def probe_due(self, extra_ms: float) -> bool:
-        """Whether this cycle probes, a probe costing extra_ms over the chosen depth's cycle: once the cycles
+        """Whether this cycle probes, a probe costing extra_ms (probe_loss): once the cycles
         since the last probe (this one included) took 1 / PROBE_SHARE times that, and PROBE_EVERY of them at
         the least; PROBE_MAX at the most."""
         if self.since_probe >= PROBE_MAX:
