@@ -11,7 +11,11 @@ not the weight). Three forms:
     decoding's one row costs one row);
   - dot: a tensor-core dot of the tile against 16 / 64 / 128 padded activation rows (verify, graph prefills);
   - dotbits: the same dot, its FP8 bytes made bf16 by moving bits instead of conversion instructions (bf16
-    inputs; on the H200 0.175 ms over the 27B shape's seven projections at four rows against dot's 0.208).
+    inputs; on the H200 0.175 ms over the 27B shape's seven projections at four rows against dot's 0.208);
+  - stream (one row): a few weight rows read 512-2048 columns at a time into a float32 accumulator of the tile's
+    shape, summed once at the end. The other forms read 128 columns of 32-128 rows a tile and reduce every tile;
+    a simple kernel that only reads reaches 4.68 TB/s on the H200 (packaging/bench/hbm_read.py) where they
+    stream 16-bit weights at 3.6-4.2.
 Partials of K slices land in a float32 buffer that the last slice to finish sums, in slice order, into x's
 dtype (splitk.store_tile); an unsplit configuration writes the output directly. Results are deterministic.
 
@@ -58,6 +62,10 @@ CONFIGS = {
             (64, ALL, 4, 3)],
 }
 CONFIGS["dotbits"] = CONFIGS["dot"]  # the dot form, its FP8 bytes made bf16 by bit moves (_fp8_as_bf16)
+# the stream form's (BLOCK_N, tiles of BLOCK_K columns per program, warps, stages, BLOCK_K); one row only
+# (the winners of eight at the 27B shape's projections, bf16 and FP8: quant_kernels_{bf16,fp8}_stream_h200.json)
+CONFIGS["stream"] = [(4, ALL, 4, 3, 1024), (4, 8, 4, 4, 2048), (8, ALL, 8, 3, 1024), (8, ALL, 4, 3, 512),
+                     (32, ALL, 8, 3, 256)]
 ROWS_MAX = 8  # the widths the row kernel may serve (its cost grows with them)
 _chosen: dict[tuple, tuple] = {}  # (N, K, bucket, device index) -> the timed (kernel, configuration)
 
@@ -67,9 +75,9 @@ if triton is not None:
     def _fp8_rows(X, W, S, Y, P, LOCKS, M, N, K, stride_xm, stride_wn, stride_sn, KS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
                   PDL: tl.constexpr = False):
-        after_previous(PDL)
         pn, pk = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        after_previous(PDL)
         kk = tl.arange(0, BLOCK_K)
         r = tl.arange(0, BLOCK_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -95,9 +103,9 @@ if triton is not None:
         Triton's conversion (two conversion instructions a weight, issued at 16 a clock per SM on the H200,
         which held this kernel near 2.3 TB/s). Those bf16 are the weights times 2^-120, so the inputs are scaled
         by 2^64 (exact) to keep every product clear of float32's subnormals, and the sums by 2^56 at the end."""
-        after_previous(PDL)
         pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        after_previous(PDL)
         m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -117,6 +125,33 @@ if triton is not None:
             acc = acc * 72057594037927936.0  # 2^(120 - 64)
         store_tile(Y, P, LOCKS, acc, m[:, None], n[None, :], (m[:, None] < M) & (n[None, :] < N), M, N,
                    pn + pm * tl.num_programs(0))
+
+    @triton.jit
+    def _fp8_stream(X, W, S, Y, P, LOCKS, N, K, stride_wn, stride_sn, KS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, SCALED: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
+        """One input row: BLOCK_N weight rows, BLOCK_K columns a tile (runs of 0.5-4 KB of each row), multiplied
+        into a [BLOCK_N, BLOCK_K] float32 accumulator and summed once after the last tile. SCALED: the FP8 block
+        scale multiplies the input columns (BLOCK_N divides 128, so one scale row serves the program). EVEN: whole
+        tiles, no masks."""
+        pn, pk = tl.program_id(0), tl.program_id(1)
+        n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        after_previous(PDL)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for c in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
+            k = c * BLOCK_K + kk
+            if EVEN:
+                w = tl.load(W + n[:, None] * stride_wn + k[None, :])
+                x = tl.load(X + k).to(tl.float32)
+            else:
+                w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                            other=0.0)
+                x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
+            if SCALED:
+                x = x * tl.load(S + (pn * BLOCK_N // 128) * stride_sn + k // 128, mask=k < K, other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+        store_tile(Y, P, LOCKS, tl.sum(acc, 1)[None, :], tl.arange(0, 1)[:, None], n[None, :], (n < N)[None, :], 1,
+                   N, pn)
 
     @triton.jit
     def _fp8_as_bf16(w, ASM: tl.constexpr):
@@ -172,11 +207,21 @@ def dequantized(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, choice) -> torch.Tensor:
     """One (kernel, configuration): the K slices' float32 partials summed by the last slice, or, unsplit, the
     output written directly in x's dtype. scale None: a 16-bit weight, streamed the same way (linear16_triton.py)."""
-    kind, (block_n, ks, warps, stages) = choice
+    kind, (block_n, ks, warps, stages, *wide) = choice
     scaled = scale is not None
     scale = scale if scaled else weight  # (a pointer the kernel never reads)
     M, K = x2.shape
     N = weight.shape[0]
+    if kind == "stream":  # (one row)
+        block_k = wide[0]
+        tiles = triton.cdiv(K, block_k)
+        slices = triton.cdiv(tiles, min(ks, tiles))
+        out, part, locks = output(1, N, slices, triton.cdiv(N, block_n), x2)
+        _fp8_stream[(triton.cdiv(N, block_n), slices)](
+            x2, weight, scale, out, part, locks, N, K, weight.stride(0), scale.stride(0), KS=min(ks, tiles),
+            BLOCK_N=block_n, BLOCK_K=block_k, SCALED=scaled, EVEN=N % block_n == 0 and K % block_k == 0,
+            num_warps=warps, num_stages=stages, **pdl(x2))
+        return out
     blocks = triton.cdiv(K, BLOCK)
     slices = triton.cdiv(blocks, min(ks, blocks))
     block_m = triton.next_power_of_2(max(M, 1)) if kind == "rows" else max(16, bucket(M)) if M > 8 else 16
@@ -271,7 +316,8 @@ def tune(weight: torch.Tensor, scale: torch.Tensor, rows: int = 1) -> tuple:
     key = (N, K, bucket(rows), weight.device.index)
     if key not in _chosen:
         x = torch.randn(rows, K, device=weight.device, dtype=torch.bfloat16)
-        kinds = ("rows", "dot", "dotbits") if rows <= ROWS_MAX else ("dot", "dotbits")
+        kinds = ("stream", "rows", "dot", "dotbits") if rows == 1 else ("rows", "dot", "dotbits") \
+            if rows <= ROWS_MAX else ("dot", "dotbits")
         _chosen[key] = fastest([(kind, c) for kind in kinds for c in CONFIGS[kind]],
                                lambda choice: _launch(x, weight, scale, choice))
     return _chosen[key]

@@ -6,7 +6,9 @@ slowly: on the H200, per call inside CUDA graphs (packaging/bench/quant_kernels.
 quant_kernels_bf16_{80b,27b}_h200.json), the 80B-A3B's 2048-column out_proj / o_proj took 7.5 us against 6.0, its
 fused GDN input projection 15.1 against 13.7, GDN's b + a (64 rows, bf16 in FP8 releases) 4.6 against 3.5; the
 27B's gate / up 88.6 against 84.2, down 49.3 against 46.7, b + a 6.1 against 4.5. cuBLAS was faster elsewhere
-(the 27B's attention q / k / v and o_proj, the 80B's 513-row router at one row).
+(the 27B's attention q / k / v and o_proj, the 80B's 513-row router at one row) until the one-row stream form
+(fp8_triton._fp8_stream), which beats it at all of the 27B's (quant_kernels_bf16_stream_h200.json: 34.8 against
+39.2 us at q / k / v, 555 against 617 at the lm_head).
 
 So nothing is assumed: at load each 16-bit weight shape is timed at one row and at four (a depth-3 verify), for
 cuBLAS and a few configurations of the kernels, and each width bucket keeps the fastest (cuBLAS included). Wider
@@ -23,7 +25,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from .fp8_triton import ALL, _launch
+from .fp8_triton import ALL, CONFIGS, _launch
 from .kernels import relative_error
 from .splitk import bucket, fastest, triton
 
@@ -31,10 +33,12 @@ ROWS_MAX = 8  # widths that may run the kernels (decoding, verify); wider ones r
 SELF_CHECK_TOL = 1e-2
 CUBLAS = None  # the choice "F.linear"
 # (kernel, (BLOCK_N, K blocks per program, warps, stages)) tried besides cuBLAS: the winners of the H200 runs above
-# (rows at one row; the tensor-core form wins at four, where the row form's cost grows with the rows)
+# (rows at one row; the tensor-core form wins at four, where the row form's cost grows with the rows), and the
+# stream form's configurations at one row (fp8_triton.CONFIGS)
 CANDIDATES = {
     1: [("rows", (64, 4, 4, 3)), ("rows", (64, ALL, 8, 3)), ("rows", (64, 8, 4, 4)), ("rows", (64, 16, 8, 4)),
-        ("rows", (32, 2, 4, 3)), ("rows", (16, 1, 4, 3)), ("dot", (64, 4, 4, 3)), ("dot", (64, ALL, 4, 3))],
+        ("rows", (32, 2, 4, 3)), ("rows", (16, 1, 4, 3)), ("dot", (64, 4, 4, 3)), ("dot", (64, ALL, 4, 3))]
+    + [("stream", c) for c in CONFIGS["stream"]],
     4: [("dot", (64, 4, 4, 3)), ("dot", (64, 16, 4, 4)), ("dot", (64, ALL, 4, 3)), ("dot", (32, 2, 4, 3)),
         ("dot", (16, 2, 2, 3))],
 }

@@ -45,6 +45,11 @@
 #   bash packaging/bench/h200.sh pdl2     # the same on the 27B shape (bf16 --compile, PDL both / 0) and the whole
 #                                         # 80B-A3B in FP8 (--compile, PDL both)
 #   bash packaging/bench/h200.sh pdltests # the GPU tests of every kernel launched with PDL, compiled graphs included
+#   bash packaging/bench/h200.sh hbm      # the GPU's achievable read bandwidth (hbm_read.py)
+#   bash packaging/bench/h200.sh stream   # the one-row stream form per call against the others and cuBLAS (bf16 and
+#                                         # FP8 weights, the 27B shape's); the 27B shape bf16 and FP8 --compile
+#   bash packaging/bench/h200.sh stream2  # its GPU tests; the 27B shape in bf16, the whole 80B-A3B in FP8, the 80B-A3B
+#                                         # slice in bf16, --compile
 #   bash packaging/bench/h200.sh where80  # kernels of one 80B-A3B slice step (bf16, --compile, the 16-bit Triton
 #                                         # linears); the demo model's cycles: wall vs GPU busy
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
@@ -331,5 +336,32 @@ pdltests)  # about 6 minutes
   gpu_tests ${TEST_LIMIT:-330} "$OUT/gpu_tests_pdl.log" tests/test_pdl.py tests/test_gpu.py tests/test_attention_triton.py \
         tests/test_norm_triton.py tests/test_moe_triton.py tests/test_fp8_triton.py tests/test_linear16_triton.py
   TEST_LIMIT=90 gpu_tests 90 "$OUT/gpu_tests_pdl_int4.log" tests/test_int4.py -k "kernel or cuda"
+  ;;
+hbm)  # the GPU's achievable read bandwidth (seconds)
+  timeout 60 python3 packaging/bench/hbm_read.py --json "$OUT/hbm_read_h200.json" 2>&1 | tail -3
+  ;;
+stream)  # issues #28 / #23 (about 9 minutes)
+  timeout 120 python3 packaging/bench/quant_kernels.py --quant bf16 --rows 1 \
+        --json "$OUT/quant_kernels_bf16_stream_h200.json" 2>&1 | grep -E "ms over|lm_head"
+  BENCH_TIMEOUT=150 bench --random-weights qwen3.5-27b --compile --depths 0,3 --drafter oracle --acceptance 1.0 \
+        --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_stream_h200.json" | grep -E "compile|HBM"
+  timeout 100 python3 packaging/bench/quant_kernels.py --quant fp8 --rows 1 \
+        --json "$OUT/quant_kernels_fp8_stream_h200.json" 2>&1 | grep -E "ms over"
+  BENCH_TIMEOUT=230 bench --random-weights qwen3.5-27b --quant fp8 --compile --depths 0,3 --drafter oracle \
+        --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_fp8_stream_h200.json" \
+        | grep -E "compile|HBM|rror"
+  ;;
+stream2)  # issues #28 / #23 (about 9 minutes): the kernels' GPU tests; the 27B shape bf16, the whole 80B-A3B in FP8
+  # and the 80B-A3B 12-layer slice in bf16, --compile, with the stream form among the timed choices
+  gpu_tests 70 "$OUT/gpu_tests_stream.log" tests/test_fp8_triton.py tests/test_linear16_triton.py tests/test_pdl.py \
+        -k "cuda or graph or kernel or pdl"
+  BENCH_TIMEOUT=240 bench --random-weights qwen3.5-27b --compile --depths 0,3 --drafter oracle --acceptance 1.0 \
+        --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_stream_h200.json" | grep -E "compile|HBM|rror"
+  BENCH_TIMEOUT=250 bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 --drafter oracle \
+        --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_stream_h200.json" \
+        | grep -E "compile|HBM|rror"
+  [ $SECONDS -lt 440 ] && BENCH_TIMEOUT=130 bench --random-weights qwen3-next-80b-a3b --layers 12 --compile \
+        --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
+        --out "$OUT/bench80b_12l_stream_h200.json" | grep -E "compile|HBM|rror"
   ;;
 esac

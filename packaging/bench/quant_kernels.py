@@ -3,7 +3,7 @@ the 27B shape's projections, per call inside CUDA graphs, at decoding's 1 row an
 configuration of each form, its streamed bytes per second, and bf16 cuBLAS on the same shape. This is how a
 new kernel form earns (or loses) its place in CONFIGS; install() then times the survivors per shape at load.
 `--quant bf16`: the FP8 kernels streaming 16-bit weights (no scale) against cuBLAS at the 16-bit linears of a
-model's decode step (`--shapes 80b`: the 80B-A3B's; the last two of each list stay bf16 in FP8 releases), with a
+model's decode step (`--shapes 80b`: the 80B-A3B's; GDN's b + a and the 80B's router stay bf16 in FP8 releases, as does the lm_head), with a
 few narrow-tile configurations for the tiny ones.
 
     python3 packaging/bench/quant_kernels.py [--quant int4,fp8,bf16] [--shapes 27b|80b] [--rows 1,4] [--json OUT]
@@ -31,7 +31,7 @@ SHAPES = [("attn qkv (fused)", 14336, 5120), ("attn o_proj", 5120, 6144), ("gdn 
 BF16_SHAPES = {
     "27b": [("attn qkv (fused)", 14336, 5120), ("attn o_proj", 5120, 6144), ("gdn in_proj (fused)", 16480, 5120),
             ("gdn out_proj", 5120, 6144), ("mlp gate_up (fused)", 34816, 5120), ("mlp down_proj", 5120, 17408),
-            ("gdn in_proj_ba (fused)", 96, 5120)],
+            ("gdn in_proj_ba (fused)", 96, 5120), ("lm_head", 248320, 5120)],
     "80b": [("attn qkv (fused)", 9216, 2048), ("attn o_proj", 2048, 4096), ("gdn in_proj (fused)", 12352, 2048),
             ("gdn out_proj", 2048, 4096), ("gdn in_proj_ba (fused)", 64, 2048), ("router + shared gate", 513, 2048)],
 }
@@ -54,7 +54,7 @@ def fp8_case(n: int, k: int):
 
 def bf16_case(n: int, k: int):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    configs = {kind: c + NARROW for kind, c in fp8_triton.CONFIGS.items()}
+    configs = {kind: c + (NARROW if kind != "stream" else []) for kind, c in fp8_triton.CONFIGS.items()}
     return (lambda x, choice: fp8_triton._launch(x, w, None, choice)), configs, w.numel() * 2
 
 
@@ -78,7 +78,7 @@ def main():
                 row = {"quant": quant, "shape": name, "N": n, "K": k, "rows": rows,
                        "bf16_ms": graph_ms(lambda: F.linear(x, w16))}
                 for kind, choices in configs.items():
-                    if ((rows > 8 and not kind.startswith("dot")) or (kind == "row" and rows > 1)
+                    if ((rows > 8 and not kind.startswith("dot")) or (kind in ("row", "stream") and rows > 1)
                             or (kind, quant) == ("dotbits", "bf16")):
                         continue
                     timed = {}
