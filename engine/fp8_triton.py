@@ -6,7 +6,7 @@ torch._scaled_mm reached only 1.3-2.6 TB/s of FP8 bytes at M=1 on the H200 (issu
 before F.linear reads the weight once, then writes and reads it again at twice the size. Here each program owns
 BLOCK_N output columns and a slice of K, loads [BLOCK_N, 128] FP8 tiles and scales each tile's float32 partial
 by its block scale (one per 128x128 block: per output column inside a tile, so the scale multiplies the partial,
-not the weight). Three forms:
+not the weight). Four forms:
   - rows: the tile converted to float32 once, then CUDA-core multiply-adds row after row (a runtime loop, so
     decoding's one row costs one row);
   - dot: a tensor-core dot of the tile against 16 / 64 / 128 padded activation rows (verify, graph prefills);
@@ -75,9 +75,9 @@ if triton is not None:
     def _fp8_rows(X, W, S, Y, P, LOCKS, M, N, K, stride_xm, stride_wn, stride_sn, KS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
                   PDL: tl.constexpr = False):
+        after_previous(PDL)
         pn, pk = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        after_previous(PDL)
         kk = tl.arange(0, BLOCK_K)
         r = tl.arange(0, BLOCK_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -103,9 +103,9 @@ if triton is not None:
         Triton's conversion (two conversion instructions a weight, issued at 16 a clock per SM on the H200,
         which held this kernel near 2.3 TB/s). Those bf16 are the weights times 2^-120, so the inputs are scaled
         by 2^64 (exact) to keep every product clear of float32's subnormals, and the sums by 2^56 at the end."""
+        after_previous(PDL)
         pn, pk, pm = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        after_previous(PDL)
         m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -133,9 +133,9 @@ if triton is not None:
         into a [BLOCK_N, BLOCK_K] float32 accumulator and summed once after the last tile. SCALED: the FP8 block
         scale multiplies the input columns (BLOCK_N divides 128, so one scale row serves the program). EVEN: whole
         tiles, no masks."""
+        after_previous(PDL)
         pn, pk = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        after_previous(PDL)
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for c in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
