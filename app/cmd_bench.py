@@ -177,6 +177,7 @@ def summary(prompt, runs: list[tuple[dict, list[int]]], memory: dict, same: bool
     last = stats[-1]
     prefill_ms = statistics.median(s["phase_ms"].get("prefill", 0.0) for s in stats)
     return {"prompt_tokens": len(prompt), "tokens_per_s": statistics.median(s["tokens_per_s"] for s in stats),
+            "runs_tokens_per_s": [s["tokens_per_s"] for s in stats],  # round by round (paired ratios between rows)
             "acceptance_rate": last["acceptance_rate"],
             "mean_accepted_length": last["mean_accepted_length"],
             "per_position_acceptance": last["per_position_acceptance"],

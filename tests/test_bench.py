@@ -25,6 +25,7 @@ def test_bench_json_rows_and_baseline(ckpt, capsys):
     assert set(rows) == {(0, "none"), (2, "mtp"), (2, "oracle@1"), (2, "oracle@0")}
     for r in rows.values():
         assert ROW_KEYS <= set(r) and r["tokens_per_s"] > 0 and r["identical_to_plain"] is True, r
+        assert r["runs_tokens_per_s"] == [r["tokens_per_s"]]  # the one warm round's, kept for paired ratios
     full, none = rows[2, "oracle@1"], rows[2, "oracle@0"]
     assert full["acceptance_rate"] == 1.0 and full["per_position_acceptance"] == [1.0, 1.0]
     assert full["mean_accepted_length"] > 2.0  # 3 tokens per verify pass, the clipped last cycle aside
