@@ -212,31 +212,28 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     scale = scale if scaled else weight  # (a pointer the kernel never reads)
     M, K = x2.shape
     N = weight.shape[0]
-    if kind == "stream":  # (one row)
-        block_k = wide[0]
-        tiles = triton.cdiv(K, block_k)
-        slices = triton.cdiv(tiles, min(ks, tiles))
-        out, part, locks = output(1, N, slices, triton.cdiv(N, block_n), x2)
-        _fp8_stream[(triton.cdiv(N, block_n), slices)](
-            x2, weight, scale, out, part, locks, N, K, weight.stride(0), scale.stride(0), KS=min(ks, tiles),
-            BLOCK_N=block_n, BLOCK_K=block_k, SCALED=scaled, EVEN=N % block_n == 0 and K % block_k == 0,
-            num_warps=warps, num_stages=stages, **pdl(x2))
-        return out
-    blocks = triton.cdiv(K, BLOCK)
-    slices = triton.cdiv(blocks, min(ks, blocks))
+    block_k = wide[0] if kind == "stream" else BLOCK  # (the stream form's tile width; the others' is a scale block)
+    blocks = triton.cdiv(K, block_k)
+    ks = min(ks, blocks)
+    slices = triton.cdiv(blocks, ks)
     block_m = triton.next_power_of_2(max(M, 1)) if kind == "rows" else max(16, bucket(M)) if M > 8 else 16
-    tiles = triton.cdiv(N, block_n) * (1 if kind == "rows" else triton.cdiv(M, block_m))
+    tiles = triton.cdiv(N, block_n) * (1 if kind in ("rows", "stream") else triton.cdiv(M, block_m))
     out, part, locks = output(M, N, slices, tiles, x2)
-    if kind == "rows":
+    if kind == "stream":  # (one row)
+        _fp8_stream[(triton.cdiv(N, block_n), slices)](
+            x2, weight, scale, out, part, locks, N, K, weight.stride(0), scale.stride(0), KS=ks, BLOCK_N=block_n,
+            BLOCK_K=block_k, SCALED=scaled, EVEN=N % block_n == 0 and K % block_k == 0, num_warps=warps,
+            num_stages=stages, **pdl(x2))
+    elif kind == "rows":
         _fp8_rows[(triton.cdiv(N, block_n), slices)](
             x2, weight, scale, out, part, locks, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0),
-            KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, SCALED=scaled, num_warps=warps,
+            KS=ks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, SCALED=scaled, num_warps=warps,
             num_stages=stages, **pdl(x2))
     else:
         bits = kind == "dotbits" and scaled and x2.dtype == torch.bfloat16  # (else: Triton's conversion, if any)
         _fp8_dot[(triton.cdiv(N, block_n), slices, triton.cdiv(M, block_m))](
             x2, weight.view(torch.uint8) if bits else weight, scale, out, part, locks, M, N, K, x2.stride(0),
-            weight.stride(0), scale.stride(0), KS=min(ks, blocks), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK,
+            weight.stride(0), scale.stride(0), KS=ks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK,
             SCALED=scaled, BITS=bits, ASM=bits and not INTERPRET, num_warps=warps, num_stages=stages, **pdl(x2))
     return out
 
@@ -316,8 +313,9 @@ def tune(weight: torch.Tensor, scale: torch.Tensor, rows: int = 1) -> tuple:
     key = (N, K, bucket(rows), weight.device.index)
     if key not in _chosen:
         x = torch.randn(rows, K, device=weight.device, dtype=torch.bfloat16)
-        kinds = ("stream", "rows", "dot", "dotbits") if rows == 1 else ("rows", "dot", "dotbits") \
-            if rows <= ROWS_MAX else ("dot", "dotbits")
+        kinds = ("rows", "dot", "dotbits") if rows <= ROWS_MAX else ("dot", "dotbits")
+        if rows == 1:  # (the stream form serves one row only)
+            kinds = ("stream",) + kinds
         _chosen[key] = fastest([(kind, c) for kind in kinds for c in CONFIGS[kind]],
                                lambda choice: _launch(x, weight, scale, choice))
     return _chosen[key]

@@ -66,7 +66,6 @@ if triton is not None:
 
 
 PDL_OFF = os.environ.get("MTPCHAT_PDL") == "0"
-
 _pdl_devices: dict[int, bool] = {}
 
 
