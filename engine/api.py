@@ -345,6 +345,9 @@ class Engine:
                         yield self.close_reasoning(req, parts, drafter, flight, detok, settings, timer)
                         continue
                     auto, depth = next_depth(settings, control, chooser, drafter, depth_cap)
+                    # (not under tensor parallelism: each rank's floors come from its own timings, and the ranks
+                    # must draft alike)
+                    req.draft_floors = chooser.floors(depth) if auto and sync is None else []
                     try:
                         part, t_cycle = parts.tracker.part, time.perf_counter()
                         out, sources, stats = cycle(self.trunk, self.caches, drafter, req, flight, depth, timer)
@@ -371,7 +374,7 @@ class Engine:
                     parts.cycle(part, stats.drafted, stats.accepted, ms)
                     if auto:
                         chooser.observe(stats.depth, stats.accepted_per_position, ms)
-                        stats.why = chooser.why
+                        stats.why = chooser.why + (f"; stopped after draft {stats.depth}" if stats.stopped else "")
                         chosen[stats.depth] = chosen.get(stats.depth, 0) + 1
                     else:  # (what a cycle at this depth costs, for the next reply at depth auto)
                         chooser.observe_cost(stats.depth, ms)

@@ -79,6 +79,17 @@ def best_depth(acceptance: list[float], cost_ms: list[float]) -> int:
     return max(range(len(rates)), key=lambda k: (rates[k], -k))  # (ties: the shallower)
 
 
+def stop_floors(acceptance: list[float], rate: float, step_ms: float, k: int) -> list[float]:
+    """Per draft j of a depth-k chain (j = 1 .. k - 1): the drafter's probability of draft j below which the chain
+    stops after it. Drafting j + 1 costs step_ms (a draft step and a verify row) and gains a token when draft j
+    and then j + 1 are accepted: about p_j * acceptance[j], with the drafter's own probability p_j for the first.
+    Worth it when that gain per ms is at least the cycle's expected rate (tokens a ms), so the floor is
+    rate * step_ms / acceptance[j]. Where a draft step is dear (the demo model on a 2-core CPU: about 13 ms a plain
+    cycle, 3-4 ms more a draft) floors of 0.3-0.7; where it is cheap (the 27B on the H200: the head is one layer
+    of 64) next to 0, and the chain runs to k."""
+    return [min(rate * step_ms / max(acceptance[j], 1e-6), 1.0) for j in range(1, k)]
+
+
 @dataclass
 class DepthChooser:
     max_depth: int
@@ -94,6 +105,7 @@ class DepthChooser:
     # the last cycle drafted and every draft was accepted; before any cycle True: nothing judged, the first drafts
     all_accepted: bool = True
     last_depth: int | None = None  # the depth of the last cycle observed
+    probing: bool = False  # the last pick was a probe
 
     def __post_init__(self):
         self.acceptance = [PRIOR_ACCEPTANCE] * self.max_depth
@@ -132,6 +144,30 @@ class DepthChooser:
         self.why = f"expected tok/s by depth {rates}"
         return self.probe(k, costs)
 
+    def floors(self, k: int) -> list[float]:
+        """stop_floors for this cycle's depth k from the running estimates, added to why (its chain stops early
+        on a doubtful draft: MTPDrafter.propose, on the CPU). Empty for a probe: it is there to judge position
+        k and what depth k costs, which a chain stopped before it would not."""
+        if self.probing or k < 2:
+            return []
+        costs = self.costs()
+        floors = stop_floors(self.acceptance, expected_tokens(self.acceptance, k) / max(costs[k], 1e-6),
+                             self.step_ms(costs), k)
+        self.why += "; chain stops below p " + " ".join(f"{f:.2f}" for f in floors)
+        return floors
+
+    def step_ms(self, costs: list[float]) -> float:
+        """What one more draft adds to a cycle: the slope of a least-squares line through the drafting depths'
+        running costs (two neighbours' difference was noise: on the 2-core CPU each cost moves by a tenth, and
+        depth 4 was measured cheaper than depth 3), or the line costs() extrapolates."""
+        known = sorted((d, c) for d, c in self.cost.items() if d > 0)
+        if len(known) < 2:
+            return max(costs[-1] - costs[-2], 0.0)
+        mean_d = sum(d for d, _ in known) / len(known)
+        mean_c = sum(c for _, c in known) / len(known)
+        slope = sum((d - mean_d) * (c - mean_c) for d, c in known) / sum((d - mean_d) ** 2 for d, _ in known)
+        return max(slope, 0.0)
+
     def probe(self, k: int, costs: list[float] | None = None) -> int:
         """k, or k + 1 now and then below the deepest depth (probe_due): no cycle at depth k judges position
         k + 1, so its estimate stays what it was when the depth fell below it (a run of rejections there pinned
@@ -139,6 +175,7 @@ class DepthChooser:
         has the text become predictable again?). While position k + 1 has been judged fewer than MIN_JUDGED
         times: every PROBE_UNSURE cycles, and after a cycle whose drafts were all accepted (or before any cycle):
         a reply climbs from the prior a position a cycle, not one per probe."""
+        self.probing = False
         if k >= self.max_depth:
             self.since_probe, self.since_probe_ms = 0, 0.0
             return k
@@ -149,7 +186,7 @@ class DepthChooser:
         unknown = few and self.all_accepted
         due = self.since_probe >= PROBE_UNSURE if few else self.probe_due(self.probe_loss(k, costs))
         if due or unknown:
-            self.since_probe, self.since_probe_ms, k = 0, 0.0, k + 1
+            self.since_probe, self.since_probe_ms, k, self.probing = 0, 0.0, k + 1, True
             self.why += f"; probing depth {k}"
         return k
 
@@ -326,7 +363,7 @@ class AutoDrafter:
         self.previous = name
         t0 = time.perf_counter()
         out = d.propose(seq_tokens, k, timer, req)
-        self.proposed = (name, k, t0, self.chooser.why)
+        self.proposed = (name, out[0].shape[0], t0, self.chooser.why)  # (fewer than k: a chain stopped early)
         return out
 
 

@@ -45,6 +45,7 @@ class Cycle:
     phase_ms: dict[str, float]  # this cycle's phases
     committed: int  # tokens committed this cycle: accepted + 1, or accepted when an accepted draft was the EOS
     why: str = ""  # --depth auto: why this depth (the expected tokens per second of each)
+    stopped: bool = False  # --depth auto on the CPU: the chain stopped short of its depth on a doubtful draft
 
 
 @dataclass

@@ -33,6 +33,9 @@ class Request:
     accepted: int = 0
     per_position: list[list[int]] = field(default_factory=list)  # [drafted, accepted] per draft position
     finish: str | None = None
+    # --depth auto: per draft j of the next chain, the drafter's probability of it below which the chain stops
+    # after it (autodepth.stop_floors); empty: the chain runs to the cycle's depth
+    draft_floors: list[float] = field(default_factory=list)
 
     def reserve(self, n: int) -> None:
         """Room for n more tokens (the one allocation of appending, done before a commit mutates anything)."""
@@ -181,6 +184,7 @@ class Launched:
     ready: object  # the event after which `host` holds `packed` (None on the CPU)
     stepped: bool  # plain decoding's in-place graph step ran: t_n is processed already
     refreshed: tuple | None = None  # the head refreshed inside the verify graph: (first draft, hidden), static
+    stopped: bool = False  # the drafter's chain stopped short of the depth on a doubtful draft
 
 
 def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, timer: PhaseTimer,
@@ -189,11 +193,12 @@ def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, tim
     Leaves the committed state on any exception (StateLost once an in-place plain step has run). fed: the last
     token is the greedy argmax of an in-place plain step, committed as it came (decode_step)."""
     k = min(depth, req.max_new - len(req.generated) - 1) if drafter is not None else 0
-    stepped, refreshed = False, None
+    stepped, refreshed, stopped = False, None, False
     try:
         if k:
             seq = req.seq[: req.length]
             drafts, q = drafter.propose(seq, k, timer, req)
+            stopped, k = drafts.shape[0] < k, drafts.shape[0]  # (fewer: a doubtful draft, req.draft_floors)
         with timer.phase("verify"):
             # (depth 0: the last token as a view, no concatenation; plain steps are host-bound on small models)
             inp = torch.cat([seq[-1:], drafts]).unsqueeze(0) if k else req.seq[req.length - 1 : req.length][None]
@@ -220,7 +225,7 @@ def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, tim
     except BaseException as e:
         abandon(caches, drafter, e, stepped)
         raise
-    return Launched(k, drafts, hidden, packed, host, ready, stepped, refreshed)
+    return Launched(k, drafts, hidden, packed, host, ready, stepped, refreshed, stopped)
 
 
 def drop_in_flight(caches, drafter, flight: Flight) -> None:
@@ -340,5 +345,5 @@ def finish(trunk, caches, drafter, req: Request, flight: Flight, c: Launched, ti
     req.generated.extend(out)
     if req.finish is None and len(req.generated) >= req.max_new:
         req.finish = "length"
-    stats = Cycle(req.cycles, k, judged, accepted, accepted_flags, timer.collect(), len(out))
+    stats = Cycle(req.cycles, k, judged, accepted, accepted_flags, timer.collect(), len(out), stopped=c.stopped)
     return out, sources, stats

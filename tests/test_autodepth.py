@@ -4,7 +4,7 @@ import pytest
 
 from engine import AUTO, DecodeControl, GenerationSettings
 from engine.autodepth import (MIN_JUDGED, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, PROBE_UNSURE, SPIKE, WEIGHT,
-                              DepthChooser, best_depth, expected_tokens)
+                              DepthChooser, best_depth, expected_tokens, stop_floors)
 from engine.events import Cycle, Tokens
 from test_exactness import FAMILIES, assert_mtp_drafts_accepted_and_rejected, decode
 
@@ -247,3 +247,47 @@ def test_a_drafting_cycle_after_plain_ones_is_not_its_depths_cost():
     assert c.cost == {0: 10.0, 1: 12.0}
     c.observe(1, [True], 14.0)  # after a drafting cycle: it is
     assert c.cost[1] == pytest.approx(12.0 + WEIGHT * 2.0)
+
+
+def test_a_chain_stops_where_one_more_draft_costs_more_than_it_is_expected_to_give():
+    # floor = rate * step / acceptance of the next position: 0.1 tokens a ms, a 4 ms step, 0.8 -> 0.5
+    assert stop_floors([0.8] * 4, 0.1, 4.0, 4) == pytest.approx([0.5, 0.5, 0.5])
+    assert max(stop_floors([0.8] * 4, 0.1, 0.1, 4)) < 0.02  # cheap steps (a 27B on a GPU): the chain runs on
+    assert stop_floors([0.8, 0.05, 0.8, 0.8], 0.1, 4.0, 3)[0] == 1.0  # the next position is hardly accepted
+    assert stop_floors([0.8] * 4, 0.1, 4.0, 1) == []  # one draft: nothing to stop
+
+
+def test_the_chooser_offers_floors_from_its_estimates_but_not_to_a_probe():
+    c = DepthChooser(4, cost={0: 13.0, 1: 18.0, 2: 23.0, 3: 27.0, 4: 26.0})
+    # one more draft: the slope through the drafting depths' costs (27 -> 26 is noise, not a free draft)
+    assert c.step_ms(c.costs()) == pytest.approx(2.8)
+    floors = c.floors(3)
+    rate = expected_tokens(c.acceptance, 3) / 27.0
+    assert floors == pytest.approx([rate * 2.8 / a for a in c.acceptance[1:3]])
+    assert "chain stops below p" in c.why
+    assert c.floors(1) == []
+    c.probing = True  # a probe judges the position past the depth: its chain runs to the end
+    assert c.floors(3) == []
+    for _ in range(200):  # and pick() says when it probes
+        c.pick()
+        assert c.probing == ("probing" in c.why)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_chain_stopped_on_a_doubtful_draft_is_exact(name, engines, monkeypatch):
+    """Drafting made dear (a fixed 4 ms a draft, not this machine's clock): the chains stop early on the head's
+    doubtful drafts and run on after confident ones, and the text is plain decoding's."""
+    observe = DepthChooser.observe
+    monkeypatch.setattr(DepthChooser, "observe", lambda self, depth, accepted, ms: observe(self, depth, accepted,
+                                                                                           10.0 + 4.0 * depth))
+    engine = engines(name)
+    monkeypatch.setattr(engine, "cycle_costs", {})
+    prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=48)
+    events = list(engine.generate(prompt, GenerationSettings(max_new_tokens=48, depth=AUTO, ignore_eos=True)))
+    assert [t for e in events if isinstance(e, Tokens) for t in e.token_ids] == plain
+    cycles = [e for e in events if isinstance(e, Cycle)]
+    stopped = [c for c in cycles if c.stopped]
+    assert stopped and all("stopped after draft" in c.why for c in stopped)
+    assert any(c.depth >= 2 for c in cycles if not c.stopped)  # and chains ran on past a confident draft
+    assert_mtp_drafts_accepted_and_rejected(events[-1])

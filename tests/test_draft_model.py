@@ -161,7 +161,7 @@ def test_sampled_speculation_with_a_draft_reproduces_and_keeps_the_distribution(
     prompt = engine.encode_chat([{"role": "user", "content": "Hello"}])
     exact = exact_distribution(engine, prompt)
     assert sum(p * N_SAMPLES >= 5 for p in exact.values()) >= 16
-    counts, per_position = samples(engine, prompt, 3)
+    counts, per_position, _ = samples(engine, prompt, 3)
     for j, (drafted, accepted) in enumerate(per_position):
         assert 0 < accepted < drafted, f"draft position {j + 1}: {accepted} of {drafted} accepted ({PARAMS})"
     assert chi_square_p_value(counts, exact) > 1e-4

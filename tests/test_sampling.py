@@ -17,9 +17,10 @@ random numbers re-draws the seeds in effect.
 import pytest
 import torch
 
-from engine import GenerationSettings, sampling
+from engine import AUTO, GenerationSettings, sampling
 from engine.drafters import OracleDrafter
-from engine.events import Tokens
+from engine.autodepth import DepthChooser
+from engine.events import Cycle, Tokens
 from engine.sampling import SamplingParams, probabilities
 
 PARAMS = SamplingParams(temperature=3.0, top_k=2, top_p=0.9)
@@ -51,8 +52,9 @@ def exact_distribution(engine, prompt, n=NEW):
 
 
 def samples(engine, prompt, depth, drafter_factory=None):
-    """Counts of the N_SAMPLES seeded generations, and the drafts [drafted, accepted] per draft position."""
-    counts, per_position = {}, [[0, 0] for _ in range(depth)]
+    """Counts of the N_SAMPLES seeded generations, the drafts [drafted, accepted] per draft position, and the
+    cycles whose chain stopped short of its depth (--depth auto's floors)."""
+    counts, per_position, stopped = {}, [[0, 0] for _ in range(4)], 0
     settings = GenerationSettings(max_new_tokens=NEW, depth=depth, temperature=PARAMS.temperature,
                                   top_k=PARAMS.top_k, top_p=PARAMS.top_p, ignore_eos=True)
     for i in range(N_SAMPLES):
@@ -60,10 +62,11 @@ def samples(engine, prompt, depth, drafter_factory=None):
         events = list(engine.generate(prompt, settings, drafter=drafter_factory() if drafter_factory else None))
         key = tuple(t for e in events if isinstance(e, Tokens) for t in e.token_ids)
         counts[key] = counts.get(key, 0) + 1
+        stopped += sum(isinstance(e, Cycle) and e.stopped for e in events)
         for j, (d, a) in enumerate(events[-1].stats["per_position_counts"]):
             per_position[j][0] += d
             per_position[j][1] += a
-    return counts, per_position
+    return counts, per_position[: max((j + 1 for j, (d, _) in enumerate(per_position) if d), default=0)], stopped
 
 
 def chi_square_p_value(counts, exact):
@@ -100,7 +103,7 @@ def test_mtp_speculative_sampling_matches_target_distribution(depth, setup):
     """Every draft position, chained ones included, both accepts and rejects sampled drafts, and the tokens
     that come out are distributed as plain sampling's."""
     engine, prompt, exact = setup
-    counts, per_position = samples(engine, prompt, depth)
+    counts, per_position, _ = samples(engine, prompt, depth)
     for j, (drafted, accepted) in enumerate(per_position):
         assert 0 < accepted < drafted, f"draft position {j + 1}: {accepted} of {drafted} accepted"
     assert chi_square_p_value(counts, exact) > ALPHA
@@ -111,9 +114,22 @@ def test_oracle_proposing_target_samples_is_accepted_and_exact(setup):
     engine, prompt, exact = setup
     reference = max(exact, key=exact.get)
     vocab = engine.trunk.config.vocab_size
-    counts, per_position = samples(engine, prompt, 3, lambda: OracleDrafter(list(reference), len(prompt), 0.0,
+    counts, per_position, _ = samples(engine, prompt, 3, lambda: OracleDrafter(list(reference), len(prompt), 0.0,
                                                                              vocab))
     assert all(0 < a < d for d, a in per_position)
+    assert chi_square_p_value(counts, exact) > ALPHA
+
+
+def test_chains_stopped_on_doubtful_sampled_drafts_keep_the_distribution(setup, monkeypatch):
+    """--depth auto's floors on the CPU: a chain of up to 4 sampled drafts stops after one whose q is below 0.55.
+    Where it stops depends on the drafts alone, before the target sees them, so the text stays exact in
+    distribution; chains stop early and run to the end, every position accepts and rejects."""
+    engine, prompt, exact = setup
+    monkeypatch.setattr(DepthChooser, "pick", lambda self: 4)
+    monkeypatch.setattr(DepthChooser, "floors", lambda self, k: [0.55] * (k - 1))
+    counts, per_position, stopped = samples(engine, prompt, AUTO)
+    assert len(per_position) == 4 and all(0 < a < d for d, a in per_position), per_position
+    assert 0 < stopped and per_position[3][0] > 0
     assert chi_square_p_value(counts, exact) > ALPHA
 
 
@@ -132,7 +148,7 @@ def test_wrong_acceptance_rule_fails_the_same_test(setup, monkeypatch):
         return torch.tensor([drafts.shape[0]]), tokens
 
     wrong_rule(monkeypatch, always_accept)
-    counts, per_position = samples(engine, prompt, 3)
+    counts, per_position, _ = samples(engine, prompt, 3)
     assert per_position[0][0] > 0
     assert chi_square_p_value(counts, exact) < ALPHA
 
@@ -148,7 +164,7 @@ def test_chained_drafts_judged_by_the_first_drafts_distribution_fail_the_same_te
         return real(logits, drafts, q, params, generator)
 
     wrong_rule(monkeypatch, first_q_for_all)
-    counts, per_position = samples(engine, prompt, 3)
+    counts, per_position, _ = samples(engine, prompt, 3)
     assert per_position[1][0] > 0
     assert chi_square_p_value(counts, exact) < ALPHA
 
