@@ -71,12 +71,14 @@ class TimingPane(VerticalScroll):
     def on_mount(self) -> None:
         self.show(ReplyStats(), depth=None)
 
-    def show_depth(self, depth: int | None, cycle_depth: int | None = None) -> None:
+    def show_depth(self, depth: int | None, cycle_depth: int | None = None, why: str = "") -> None:
         parts: list[Cell] = [("speculation depth ", "bold"), (DASH if depth is None else f" {depth} ", "bold reverse")]
         if depth == 0:
             parts.append("  plain decoding")
         if cycle_depth is not None:  # while a reply streams (its last cycle may be short: the token limit)
             parts.append((f"  (last cycle: {cycle_depth})", "dim"))
+        if why:  # --depth auto: why the last cycle ran at its depth (the engine's words, not the model's text)
+            parts.append((f"\n{why}", "dim"))
         self.query_one("#timing-depth", LiveStatic).show(Content.assemble(*parts))
 
     def show_parts(self, parts: dict[str, dict]) -> None:
@@ -95,7 +97,10 @@ class TimingPane(VerticalScroll):
 
     def show(self, stats: ReplyStats, depth: int | None) -> None:
         last = stats.last_cycle
-        self.show_depth(depth, last.depth if last and stats.final is None else None)
+        if last is not None and stats.final is None:
+            self.show_depth(depth, last.depth, last.why)
+        else:
+            self.show_depth(depth)
 
         rate = stats.acceptance_rate
         counted = bool(stats.cycles)

@@ -179,6 +179,23 @@ async def test_depth_change_mid_reply_reaches_the_next_cycles(home, model):
 
 
 @run_async
+async def test_the_timing_pane_says_why_auto_chose_the_last_cycles_depth(home, model):
+    write_settings(max_new_tokens=5000, depth="auto", ignore_eos=True)  # the default, stated
+    app = MtpChatApp(model=model)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_loaded(pilot, app)
+        await send(pilot, app, "Tell me a story about a cat.")
+        await wait_until(pilot, lambda: app.request is None or app.request.stats.cycles >= 2, 20, "two cycles")
+        await pilot.pause(0.1)
+        assert app.request is not None
+        pane = str(app.query_one("#timing-depth", Static).visual)
+        assert "speculation depth  auto" in pane and "expected tok/s by depth 0: " in pane
+        await pilot.press("escape")
+        await wait_reply(pilot, app)
+        assert "expected tok/s" not in str(app.query_one("#timing-depth", Static).visual)  # (streaming only)
+
+
+@run_async
 async def test_escape_stops_and_the_app_stays_usable(home, model):
     write_settings(max_new_tokens=5000, depth=2, ignore_eos=True)  # runs until stopped
     app = MtpChatApp(model=model)
