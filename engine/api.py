@@ -7,7 +7,6 @@ import os
 import re
 import threading
 import time
-import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
@@ -139,9 +138,8 @@ class Engine:
         # depth 3 for its first 16 cycles)
         self.cycle_costs: dict[str, dict[int, float]] = {}
         # and the acceptance per draft position the replies measured (each position's latest reply that judged
-        # it often enough), per drafter (its own: an oracle drafter made for one bench row is not the next
-        # row's), the next auto reply's starting estimates instead of a prior (autodepth.carried)
-        self.cycle_acceptance: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # it often enough), the next auto reply's starting estimates instead of a prior (autodepth.carried)
+        self.cycle_acceptance: dict[str, list[float | None]] = {}
         self.graph_runner = None
         if cuda_graphs is None:
             cuda_graphs = self.trunk.device.type == "cuda" and os.environ.get("MTPCHAT_CUDA_GRAPHS", "1") != "0"
@@ -327,7 +325,7 @@ class Engine:
         # (the first cycles count fully; the costs the requests before measured)
         costs = dict(self.cycle_costs.get(type(drafter).__name__, {}))
         chooser, chosen = DepthChooser(AUTO_MAX_DEPTH, mean_first=True, cost=costs), {}
-        chooser.start_from(self.cycle_acceptance.get(drafter, []) if drafter is not None else [])
+        chooser.start_from(self.cycle_acceptance.get(type(drafter).__name__, []))
         with torch.inference_mode():
             try:
                 self.start_from(start, snap, drafter, len(prompt_ids) + settings.max_new_tokens)
@@ -399,8 +397,8 @@ class Engine:
             finally:
                 drop_in_flight(self.caches, drafter, flight)  # a cycle launched ahead of a stop is not finished
                 self.cycle_costs[type(drafter).__name__] = chooser.cost
-                if drafter is not None:
-                    self.cycle_acceptance[drafter] = carried(self.cycle_acceptance.get(drafter, []), req.per_position)
+                name = type(drafter).__name__
+                self.cycle_acceptance[name] = carried(self.cycle_acceptance.get(name, []), req.per_position)
                 # What the caches hold is the committed sequence minus its last (unprocessed) token. After any
                 # other exception the state is dropped, cleanly: the next request starts from zero.
                 if ok:

@@ -54,7 +54,6 @@ PROBE_UNSURE = 4
 # 18.7 ms a cycle) the prior picks plain decoding, and with a probe every PROBE_EVERY cycles adding one position at a
 # time auto reached depth 4 at flat acceptance 1.0 after some 20 cycles (auto_sim: 0.88 of depth 4 over 128 tokens)
 MIN_JUDGED = 4
-CARRIED = 2  # cycles the acceptance carried from the replies before counts as (DepthChooser.start_from)
 # a cycle this many times the cheapest depth's running cost paid for something once (a CUDA-graph capture, a first
 # kernel call, the allocator growing): not its depth's cost. One such 400 ms cycle taken as depth 4's cost made
 # every deep depth look dear for the rest of a 27B reply (auto 2.54x plain where depth 4 gave 3.27x, H200)
@@ -125,16 +124,13 @@ class DepthChooser:
         self.judged = [0] * self.max_depth
 
     def start_from(self, acceptance: list[float | None]) -> None:
-        """A reply's starting estimates: the acceptance the replies before measured (carried) instead of the
-        prior. From the prior a reply spent its first cycles finding the depth, and a few rejections among them
-        could hold it at plain decoding for dozens of cycles (the demo model on the 2-core CPU: 28 plain cycles of
-        a 128-token reply whose best fixed depth was 3). Each counts as CARRIED cycles, fewer than MIN_JUDGED:
-        the next reply's text may differ, and a position still unsure is probed every PROBE_UNSURE cycles (after
-        a reply that accepted nothing, counted as MIN_JUDGED cycles, a predictable one would wait for the
-        probes spaced by cost: 16-64 plain cycles)."""
+        """A reply's starting estimates: the acceptance the replies before measured (carried), each counted as
+        MIN_JUDGED cycles, instead of the prior. From the prior a reply spent its first cycles finding the
+        depth, and a few rejections among them could hold it at plain decoding for dozens of cycles (the demo
+        model on the 2-core CPU: 28 plain cycles of a 128-token reply whose best fixed depth was 3)."""
         for i, a in enumerate(acceptance[: self.max_depth]):
             if a is not None:
-                self.acceptance[i], self.judged[i] = a, CARRIED
+                self.acceptance[i], self.judged[i] = a, MIN_JUDGED
 
     def costs(self) -> list[float]:
         """c_k for every k: measured, or a line through the measured ones (two points), or the one measured

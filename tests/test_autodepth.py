@@ -1,11 +1,9 @@
 """--depth auto: the chooser as a pure decision on acceptance and cost, and auto decoding lossless."""
 
-import weakref
-
 import pytest
 
 from engine import AUTO, DecodeControl, GenerationSettings
-from engine.autodepth import (CARRIED, MIN_JUDGED, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, PROBE_UNSURE, SPIKE, WEIGHT,
+from engine.autodepth import (MIN_JUDGED, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, PROBE_UNSURE, SPIKE, WEIGHT,
                               DepthChooser, best_depth, carried, expected_tokens, stop_floors)
 from engine.events import Cycle, Tokens
 from test_exactness import FAMILIES, assert_mtp_drafts_accepted_and_rejected, decode
@@ -55,7 +53,7 @@ def test_auto_is_lossless(name, engines, monkeypatch):
                                                                                            10.0 + depth))
     engine = engines(name)
     monkeypatch.setattr(engine, "cycle_costs", {})  # (not the costs earlier tests' replies measured)
-    monkeypatch.setattr(engine, "cycle_acceptance", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(engine, "cycle_acceptance", {})
     prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     plain, _, _ = decode(engine, prompt, depth=0)
     tokens, _, fin = decode(engine, prompt, depth=AUTO)
@@ -246,14 +244,14 @@ def test_a_reply_starts_from_the_acceptance_the_replies_before_measured(ckpt):
     assert carried([], [[10, 7], [7, 3], [2, 2]]) == [0.7, 3 / 7, None]
     assert carried([0.7, 0.5, 0.9, 0.4], [[8, 2], [2, 0]]) == [0.25, 0.5, 0.9, 0.4]
     c = DepthChooser(4)
-    c.start_from([0.9, None, 0.2])  # counted as CARRIED cycles each
-    assert c.acceptance == [0.9, c.acceptance[1], 0.2, c.acceptance[3]] and c.judged == [CARRIED, 0, CARRIED, 0]
+    c.start_from([0.9, None, 0.2])  # counted as MIN_JUDGED cycles each: no climbing from the prior, no rush probes
+    assert c.acceptance == [0.9, c.acceptance[1], 0.2, c.acceptance[3]] and c.judged == [MIN_JUDGED, 0, MIN_JUDGED, 0]
 
     engine = load_engine(str(ckpt("next")), device="cpu")
     prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     fin = decode(engine, prompt, depth=3, max_new_tokens=40)[2]  # a fixed depth's reply measures too
     counts = fin.stats["per_position_counts"]
-    assert engine.cycle_acceptance[engine.mtp_drafter] == [a / d if d >= MIN_JUDGED else None for d, a in counts]
+    assert engine.cycle_acceptance["MTPDrafter"] == [a / d if d >= MIN_JUDGED else None for d, a in counts]
 
 
 def test_a_drafting_cycle_after_plain_ones_is_not_its_depths_cost():
