@@ -19,7 +19,7 @@ from .drafters import MTPDrafter
 from .errors import EngineError
 from .events import FORCED, TARGET, Fallback, Finished, Started, Tokens
 from .host_embedding import check_mode
-from .autodepth import AutoDrafter, DepthChooser, carried, drafter_cycles
+from .autodepth import AutoDrafter, DepthChooser, drafter_cycles
 from .limits import AUTO, AUTO_MAX_DEPTH, MAX_DEPTH, MAX_NEW_TOKENS, SEED_MAX, SEED_MIN
 from .model import TRITON_MIN_CAPACITY, Loaded, load
 from .reasoning import ThinkingInfo, ReplyParts, last_open, reasoning_apart, thinking_info
@@ -137,9 +137,6 @@ class Engine:
         # from them instead of guesses (depth 0 guessed from the speculative depths kept a plain-text reply at
         # depth 3 for its first 16 cycles)
         self.cycle_costs: dict[str, dict[int, float]] = {}
-        # and the acceptance per draft position the replies measured (each position's latest reply that judged
-        # it often enough), the next auto reply's starting estimates instead of a prior (autodepth.carried)
-        self.cycle_acceptance: dict[str, list[float | None]] = {}
         self.graph_runner = None
         if cuda_graphs is None:
             cuda_graphs = self.trunk.device.type == "cuda" and os.environ.get("MTPCHAT_CUDA_GRAPHS", "1") != "0"
@@ -325,7 +322,6 @@ class Engine:
         # (the first cycles count fully; the costs the requests before measured)
         costs = dict(self.cycle_costs.get(type(drafter).__name__, {}))
         chooser, chosen = DepthChooser(AUTO_MAX_DEPTH, mean_first=True, cost=costs), {}
-        chooser.start_from(self.cycle_acceptance.get(type(drafter).__name__, []))
         with torch.inference_mode():
             try:
                 self.start_from(start, snap, drafter, len(prompt_ids) + settings.max_new_tokens)
@@ -397,8 +393,6 @@ class Engine:
             finally:
                 drop_in_flight(self.caches, drafter, flight)  # a cycle launched ahead of a stop is not finished
                 self.cycle_costs[type(drafter).__name__] = chooser.cost
-                name = type(drafter).__name__
-                self.cycle_acceptance[name] = carried(self.cycle_acceptance.get(name, []), req.per_position)
                 # What the caches hold is the committed sequence minus its last (unprocessed) token. After any
                 # other exception the state is dropped, cleanly: the next request starts from zero.
                 if ok:

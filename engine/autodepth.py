@@ -90,18 +90,6 @@ def stop_floors(acceptance: list[float], rate: float, step_ms: float, k: int) ->
     return [min(rate * step_ms / max(acceptance[j], 1e-6), 1.0) for j in range(1, k)]
 
 
-def carried(before: list[float | None], per_position: list[list[int]]) -> list[float | None]:
-    """The acceptance per position to start the next reply from: this reply's (accepted / judged, a mean over the
-    whole reply, not the running estimate's last ten cycles) where it judged the position MIN_JUDGED times or
-    more, else what the replies before measured (None: never)."""
-    n = max(len(before), len(per_position))
-    out = list(before) + [None] * (n - len(before))
-    for i, (judged, accepted) in enumerate(per_position):
-        if judged >= MIN_JUDGED:
-            out[i] = accepted / judged
-    return out
-
-
 @dataclass
 class DepthChooser:
     max_depth: int
@@ -122,15 +110,6 @@ class DepthChooser:
     def __post_init__(self):
         self.acceptance = [PRIOR_ACCEPTANCE] * self.max_depth
         self.judged = [0] * self.max_depth
-
-    def start_from(self, acceptance: list[float | None]) -> None:
-        """A reply's starting estimates: the acceptance the replies before measured (carried), each counted as
-        MIN_JUDGED cycles, instead of the prior. From the prior a reply spent its first cycles finding the
-        depth, and a few rejections among them could hold it at plain decoding for dozens of cycles (the demo
-        model on the 2-core CPU: 28 plain cycles of a 128-token reply whose best fixed depth was 3)."""
-        for i, a in enumerate(acceptance[: self.max_depth]):
-            if a is not None:
-                self.acceptance[i], self.judged[i] = a, MIN_JUDGED
 
     def costs(self) -> list[float]:
         """c_k for every k: measured, or a line through the measured ones (two points), or the one measured

@@ -4,7 +4,7 @@ import pytest
 
 from engine import AUTO, DecodeControl, GenerationSettings
 from engine.autodepth import (MIN_JUDGED, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, PROBE_UNSURE, SPIKE, WEIGHT,
-                              DepthChooser, best_depth, carried, expected_tokens, stop_floors)
+                              DepthChooser, best_depth, expected_tokens, stop_floors)
 from engine.events import Cycle, Tokens
 from test_exactness import FAMILIES, assert_mtp_drafts_accepted_and_rejected, decode
 
@@ -53,7 +53,6 @@ def test_auto_is_lossless(name, engines, monkeypatch):
                                                                                            10.0 + depth))
     engine = engines(name)
     monkeypatch.setattr(engine, "cycle_costs", {})  # (not the costs earlier tests' replies measured)
-    monkeypatch.setattr(engine, "cycle_acceptance", {})
     prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     plain, _, _ = decode(engine, prompt, depth=0)
     tokens, _, fin = decode(engine, prompt, depth=AUTO)
@@ -237,23 +236,6 @@ def test_a_reply_starts_from_the_costs_the_last_one_measured(ckpt):
     assert "by depth 0: 1000," not in first_cycle_why()  # the next reply starts from the measured costs
 
 
-def test_a_reply_starts_from_the_acceptance_the_replies_before_measured(ckpt):
-    from engine import load_engine
-
-    # a position judged MIN_JUDGED times or more takes this reply's mean; one judged less keeps the older value
-    assert carried([], [[10, 7], [7, 3], [2, 2]]) == [0.7, 3 / 7, None]
-    assert carried([0.7, 0.5, 0.9, 0.4], [[8, 2], [2, 0]]) == [0.25, 0.5, 0.9, 0.4]
-    c = DepthChooser(4)
-    c.start_from([0.9, None, 0.2])  # counted as MIN_JUDGED cycles each: no climbing from the prior, no rush probes
-    assert c.acceptance == [0.9, c.acceptance[1], 0.2, c.acceptance[3]] and c.judged == [MIN_JUDGED, 0, MIN_JUDGED, 0]
-
-    engine = load_engine(str(ckpt("next")), device="cpu")
-    prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
-    fin = decode(engine, prompt, depth=3, max_new_tokens=40)[2]  # a fixed depth's reply measures too
-    counts = fin.stats["per_position_counts"]
-    assert engine.cycle_acceptance["MTPDrafter"] == [a / d if d >= MIN_JUDGED else None for d, a in counts]
-
-
 def test_a_drafting_cycle_after_plain_ones_is_not_its_depths_cost():
     """Such a cycle also pays for the switch (the drafter's catch-up, cold weights): its depth's cost is learned
     from drafting cycles in a row only, so probes from plain decoding do not pin a dear-looking depth."""
@@ -293,12 +275,13 @@ def test_the_chooser_offers_floors_from_its_estimates_but_not_to_a_probe():
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_chain_stopped_on_a_doubtful_draft_is_exact(name, engines, monkeypatch):
-    """Chains of up to 4 drafts that stop after a draft the head gives less than 0.5 (the floors, fixed here:
-    stop_floors is tested above): they stop early after doubtful drafts and run on after confident ones, drafts
-    are accepted and rejected, and the text is plain decoding's."""
-    monkeypatch.setattr(DepthChooser, "pick", lambda self: 4)
-    monkeypatch.setattr(DepthChooser, "floors", lambda self, k: [0.5] * (k - 1))
+    """Drafting made dear (a fixed 4 ms a draft, not this machine's clock): the chains stop early on the head's
+    doubtful drafts and run on after confident ones, and the text is plain decoding's."""
+    observe = DepthChooser.observe
+    monkeypatch.setattr(DepthChooser, "observe", lambda self, depth, accepted, ms: observe(self, depth, accepted,
+                                                                                           10.0 + 4.0 * depth))
     engine = engines(name)
+    monkeypatch.setattr(engine, "cycle_costs", {})
     prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=48)
     events = list(engine.generate(prompt, GenerationSettings(max_new_tokens=48, depth=AUTO, ignore_eos=True)))
