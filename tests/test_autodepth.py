@@ -275,13 +275,12 @@ def test_the_chooser_offers_floors_from_its_estimates_but_not_to_a_probe():
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_chain_stopped_on_a_doubtful_draft_is_exact(name, engines, monkeypatch):
-    """Drafting made dear (a fixed 4 ms a draft, not this machine's clock): the chains stop early on the head's
-    doubtful drafts and run on after confident ones, and the text is plain decoding's."""
-    observe = DepthChooser.observe
-    monkeypatch.setattr(DepthChooser, "observe", lambda self, depth, accepted, ms: observe(self, depth, accepted,
-                                                                                           10.0 + 4.0 * depth))
+    """Chains of up to 4 drafts that stop after a draft the head gives less than 0.5 (the floors, fixed here:
+    stop_floors is tested above): they stop early after doubtful drafts and run on after confident ones, drafts
+    are accepted and rejected, and the text is plain decoding's."""
+    monkeypatch.setattr(DepthChooser, "pick", lambda self: 4)
+    monkeypatch.setattr(DepthChooser, "floors", lambda self, k: [0.5] * (k - 1))
     engine = engines(name)
-    monkeypatch.setattr(engine, "cycle_costs", {})
     prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=48)
     events = list(engine.generate(prompt, GenerationSettings(max_new_tokens=48, depth=AUTO, ignore_eos=True)))
