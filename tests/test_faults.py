@@ -2,7 +2,7 @@
 the request or is recovered from, and either way every token handed out is plain decoding's and the next request
 is exact. Swept over whole requests on the demo model (real partial acceptance), eager and with the graph runner
 (on the CPU graphs.Rerun stands in for each graph, so captures, replays and the launch ahead all run), greedy and
-sampled, depths 0-4, with out-of-memory errors (retried at a lower depth) and plain errors.
+sampled, depths 0-4 and auto (chains stopped early), with out-of-memory errors (retried at a lower depth) and plain errors.
 
 CI runs a strided subset; MTPCHAT_FAULT_SWEEP=full runs every op of the request (python3 -m pytest
 tests/test_faults.py, about 2 hours on 2 CPU cores); MTPCHAT_FAULT_SWEEP=N takes every N-th op.
@@ -20,7 +20,8 @@ from faults import FaultAt, handed_out
 from fixtures import _add_tensors, oom, write_checkpoint
 
 import engine
-from engine import GenerationSettings, load_engine
+from engine import AUTO, GenerationSettings, load_engine
+from engine.autodepth import DepthChooser
 from engine.errors import EngineError
 from engine.events import Fallback, Finished, Tokens
 
@@ -62,10 +63,12 @@ def points(total: int) -> list[int]:
     return list(range(1 + stride // 2, total + 1, stride))
 
 
+# AUTO: chains of up to 4 drafts stopped after a draft the head gives less than 0.15 (--depth auto's floors on the
+# CPU, fixed here so that every run takes the same ops; on this prompt chains stop at drafts 1 and 3 and run to 4)
 CONFIGS = [("eager", 0, False), ("eager", 2, False), ("eager", 4, True), ("graphs", 0, False),
-           ("graphs", 3, False), ("graphs", 1, True), ("graphs", 0, True)]
+           ("graphs", 3, False), ("graphs", 1, True), ("graphs", 0, True), ("eager", AUTO, False)]
 if SWEEP:
-    CONFIGS = [(g, d, s) for g in ("eager", "graphs") for s in (False, True) for d in range(5)]
+    CONFIGS = [(g, d, s) for g in ("eager", "graphs") for s in (False, True) for d in [*range(5), AUTO]]
 
 
 def graph_failures(e) -> list:
@@ -77,10 +80,14 @@ def graph_failures(e) -> list:
 
 
 @pytest.mark.parametrize("runner,depth,sampled", CONFIGS)
-def test_a_fault_at_any_op_hands_out_plain_tokens_and_leaves_an_exact_engine(runner, depth, sampled, demo):
+def test_a_fault_at_any_op_hands_out_plain_tokens_and_leaves_an_exact_engine(runner, depth, sampled, demo,
+                                                                             monkeypatch):
     """Greedy: every token handed out is plain decoding's. Sampled (a seed): every token handed out before the
     engine recovered is the unfaulted run's (after a retry at a lower depth the draws differ; that the text is
     still distributed as plain sampling is tests/test_sampling.py's). Both: the next request is exact."""
+    if depth == AUTO:
+        monkeypatch.setattr(DepthChooser, "pick", lambda self: 4)
+        monkeypatch.setattr(DepthChooser, "floors", lambda self, k: [0.15] * (k - 1))
     e = demo(runner)
     prompt, s = prompt_of(e), settings(depth, sampled)
     plain, err, _ = handed_out(demo("eager"), prompt, settings(0, sampled))
@@ -111,7 +118,7 @@ def test_a_fault_at_any_op_hands_out_plain_tokens_and_leaves_an_exact_engine(run
                 e = load_engine(DEMO, cuda_graphs=True)
                 assert handed_out(e, prompt, s)[0] == reference
     assert outcomes["failed"] > 0
-    if depth > 0:  # an out-of-memory error in a speculative phase is retried at a lower depth
+    if depth == AUTO or depth > 0:  # an out-of-memory error in a speculative phase is retried at a lower depth
         assert outcomes["recovered"] > 0
 
 
