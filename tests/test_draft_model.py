@@ -4,7 +4,9 @@ and for a text-only Qwen3.5 (hybrid GDN) draft on a wrapped Qwen3.5 target; the 
 roll back exactly (an identical draft is always accepted, its state equals a fresh prefill, a fault anywhere
 leaves both models' committed states); sampling keeps the target distribution; mismatched drafts are refused."""
 
+import itertools
 import json
+import math
 import os
 
 import pytest
@@ -16,8 +18,10 @@ from fixtures import greedy_reference
 from faults import FaultAt, handed_out
 from test_exactness import PROMPTS, decode
 
-from engine import GenerationSettings, load_engine
+from engine import AUTO, GenerationSettings, load_engine
+from engine.autodepth import DepthChooser
 from engine.errors import EngineError
+from engine.events import Cycle, Tokens
 
 NOISE = 0.1  # the draft is the target perturbed by this much: depth-1 acceptance about 0.65-0.8
 WINDOW = 8
@@ -89,6 +93,36 @@ def test_an_identical_draft_is_always_accepted(name, engines_with_draft):
             # the chain's accepted rows were kept, not recomputed: the draft is behind by the last cycle's last
             # draft and the reply's closing plain step (k = 0 when one token is left) at most
             assert 0 <= engine.caches.processed - engine.draft_drafter.caches.processed <= 2
+
+
+@pytest.mark.parametrize("name", ["sliding", "hybrid", "same"])
+def test_a_chain_stopped_on_a_doubtful_draft_is_exact_and_keeps_the_drafts_state(name, engines_with_draft,
+                                                                                 monkeypatch):
+    """--depth auto's floors, fixed here so that chains of up to 4 drafts stop after draft 1, 2, 3 and run to 4
+    in turn (an infinite floor stops the chain after that draft): the text is plain decoding's, and the draft
+    settles what a stopped chain processed (the identical draft: every draft accepted, its state at most two
+    tokens behind the target's)."""
+    turn = itertools.count()
+
+    def floors(self, k):
+        stop = next(turn) % k
+        return [math.inf if j == stop else 0.0 for j in range(k - 1)]
+
+    monkeypatch.setattr(DepthChooser, "pick", lambda self: 4)
+    monkeypatch.setattr(DepthChooser, "floors", floors)
+    engine = engines_with_draft(name)
+    prompt = engine.encode_chat(PROMPTS[0])
+    plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=40)
+    events = list(engine.generate(prompt, GenerationSettings(max_new_tokens=40, depth=AUTO, ignore_eos=True)))
+    assert [t for e in events if isinstance(e, Tokens) for t in e.token_ids] == plain
+    cycles = [e for e in events if isinstance(e, Cycle)]
+    assert {(1, True), (2, True), (3, True), (4, False)} <= {(c.depth, c.stopped) for c in cycles}
+    fin = events[-1]
+    if name == "same":
+        assert fin.stats["acceptance_rate"] == 1.0
+        assert 0 <= engine.caches.processed - engine.draft_drafter.caches.processed <= 2
+    else:
+        assert_drafts_accepted_and_rejected(fin, engine.draft_drafter.loaded.name)
 
 
 @pytest.mark.parametrize("name", ["sliding", "hybrid"])
