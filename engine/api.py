@@ -335,6 +335,10 @@ class Engine:
                 yield Tokens([first_id], [TARGET], "".join(pieces), pieces, labels)
                 parts.cap(req)
                 sync = getattr(control, "sync", None)  # tensor parallelism: rank 0 decides depth and stop
+                # --depth auto stops a chain on a doubtful draft (drafters.stops_after) on the CPU only: on a GPU
+                # the chain is one graph launched ahead of the host, and reading a probability would make the host
+                # wait; and not under tensor parallelism, whose ranks time their own cycles but must draft alike
+                floors_apply = self.trunk.device.type == "cpu" and sync is None
                 while req.finish is None:
                     if sync is not None:
                         sync()
@@ -345,9 +349,7 @@ class Engine:
                         yield self.close_reasoning(req, parts, drafter, flight, detok, settings, timer)
                         continue
                     auto, depth = next_depth(settings, control, chooser, drafter, depth_cap)
-                    # (not under tensor parallelism: each rank's floors come from its own timings, and the ranks
-                    # must draft alike)
-                    req.draft_floors = chooser.floors(depth) if auto and sync is None else []
+                    req.draft_floors = chooser.floors(depth) if auto and floors_apply else []
                     try:
                         part, t_cycle = parts.tracker.part, time.perf_counter()
                         out, sources, stats = cycle(self.trunk, self.caches, drafter, req, flight, depth, timer)

@@ -146,7 +146,7 @@ class DepthChooser:
 
     def floors(self, k: int) -> list[float]:
         """stop_floors for this cycle's depth k from the running estimates, added to why (its chain stops early
-        on a doubtful draft: MTPDrafter.propose, on the CPU). Empty for a probe: it is there to judge position
+        on a doubtful draft: drafters.stops_after, on the CPU). Empty for a probe: it is there to judge position
         k and what depth k costs, which a chain stopped before it would not."""
         if self.probing or k < 2:
             return []

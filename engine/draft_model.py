@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .drafters import drafted_probability
+from .drafters import stops_after
 from .errors import EngineError
 from .sampling import probabilities, sample
 
@@ -173,9 +173,9 @@ class DraftModelDrafter:
 
     def propose(self, seq_tokens: torch.Tensor, k: int, timer, req=None):
         """k drafts [k] from k chained steps, and their distributions q [k, V] when sampling (the draft's logits
-        after the request's temperature / top-k / top-p, as the target's p); fewer on the CPU after a draft whose
-        probability is below its floor (req.draft_floors, --depth auto; see MTPDrafter.propose). The chain stays
-        pending until the cycle commits (observe_kept) or is rolled back."""
+        after the request's temperature / top-k / top-p, as the target's p); fewer after a draft whose
+        probability is below its floor (drafters.stops_after). The chain stays pending until the cycle commits
+        (observe_kept) or is rolled back."""
         self._settle(None)
         greedy = req is None or req.sampling.greedy
         seq, t, c = seq_tokens, self.trunk, self.caches
@@ -197,7 +197,6 @@ class DraftModelDrafter:
                 if out is not None:
                     fed += list(out[:-1].split(1))
                     return out, None
-            floors = req.draft_floors if req is not None and not seq.is_cuda else []  # (as MTPDrafter.propose)
             for j in range(k):
                 inp = fed[-1].view(1, -1)
                 h = t.forward(inp, P + (width + j - 1 if j else 0), c, verify=True, chain=width + j - 1 if j else 0)
@@ -208,7 +207,7 @@ class DraftModelDrafter:
                     qs.append(probabilities(logits, req.sampling))
                     d = sample(qs[-1], req.generator)
                 drafts.append(d)
-                if j < len(floors) and drafted_probability(logits, d, qs) < floors[j]:
+                if stops_after(j, logits, d, qs, req):
                     self.chain.k = j + 1  # (its last draft is not fed, as a full chain's is not: _settle)
                     break
                 if j + 1 < k:

@@ -145,10 +145,8 @@ class MTPDrafter:
 
     def propose(self, seq_tokens: torch.Tensor, k: int, timer, req=None):
         """k drafts [k] on the device, and their distributions [k, V] when sampling (None when greedy), or fewer
-        on the CPU when a draft's probability under the head falls below its floor (req.draft_floors, --depth
-        auto): the rest of the chain would likely be rejected, and each step of it costs a head pass and a
-        verify row. Only on the CPU: on a GPU the chain runs as one graph, ahead of the host, and reading a
-        probability would make the host wait. Speculative cache entries stay until rollback()."""
+        when a draft's probability under the head falls below its floor (stops_after). Speculative cache
+        entries stay until rollback()."""
         greedy = req is None or req.sampling.greedy
         if greedy and self.ready is not None and not self.pending:  # refreshed inside the last verify graph
             (first, h), logits = self.ready, None
@@ -166,7 +164,6 @@ class MTPDrafter:
                 chained = self.chain(h, first, pos, k - 1)
                 if chained is not None:
                     return torch.cat([first, chained]), None
-            floors = req.draft_floors if req is not None and not seq_tokens.is_cuda else []
             for j in range(k):
                 if j:
                     logits, h = self.run_head(h, drafts[-1].view(1, 1), pos + j - 1)
@@ -176,18 +173,22 @@ class MTPDrafter:
                 else:  # drafts are sampled from q, the head's distribution after the same processing as p
                     qs.append(probabilities(logits, req.sampling))
                     drafts.append(sample(qs[-1], req.generator))
-                if j < len(floors) and logits is not None and drafted_probability(logits, drafts[-1], qs) < floors[j]:
+                if logits is not None and stops_after(j, logits, drafts[-1], qs, req):
                     break
             return torch.cat(drafts), (torch.cat(qs) if qs else None)
 
 
-def drafted_probability(logits: torch.Tensor, draft: torch.Tensor, qs: list[torch.Tensor]) -> float:
-    """The head's probability of its draft: q(draft) when sampling (the distribution it was drawn from), else the
-    softmax of the logits at their argmax. (Lossless either way: the stop depends on the drafts alone, before the
-    target sees them, and each verified position stays exact.)"""
-    if qs:
-        return float(qs[-1][0, draft])
-    return float(torch.softmax(logits.float(), -1)[0, draft])
+def stops_after(j: int, logits: torch.Tensor, draft: torch.Tensor, qs: list[torch.Tensor], req) -> bool:
+    """Whether a chain stops after its draft j (0-based): the drafter's probability of it, q(draft) when sampling
+    (the distribution it was drawn from) or the softmax at the argmax, is below the request's floor for it
+    (req.draft_floors, --depth auto on the CPU: the rest of the chain would likely be rejected, and each step
+    of it costs a drafter pass and a verify row). Lossless: the stop depends on the drafts alone, before the
+    target sees them, and each verified position stays exact."""
+    floors = req.draft_floors if req is not None else []
+    if j >= len(floors):
+        return False
+    p = qs[-1][0, draft] if qs else torch.softmax(logits.float(), -1)[0, draft]
+    return float(p) < floors[j]
 
 
 _MASK = (1 << 64) - 1

@@ -54,7 +54,7 @@ def exact_distribution(engine, prompt, n=NEW):
 def samples(engine, prompt, depth, drafter_factory=None):
     """Counts of the N_SAMPLES seeded generations, the drafts [drafted, accepted] per draft position, and the
     cycles whose chain stopped short of its depth (--depth auto's floors)."""
-    counts, per_position, stopped = {}, [[0, 0] for _ in range(4)], 0
+    counts, per_position, stopped = {}, [], 0
     settings = GenerationSettings(max_new_tokens=NEW, depth=depth, temperature=PARAMS.temperature,
                                   top_k=PARAMS.top_k, top_p=PARAMS.top_p, ignore_eos=True)
     for i in range(N_SAMPLES):
@@ -64,9 +64,11 @@ def samples(engine, prompt, depth, drafter_factory=None):
         counts[key] = counts.get(key, 0) + 1
         stopped += sum(isinstance(e, Cycle) and e.stopped for e in events)
         for j, (d, a) in enumerate(events[-1].stats["per_position_counts"]):
+            if j == len(per_position):
+                per_position.append([0, 0])
             per_position[j][0] += d
             per_position[j][1] += a
-    return counts, per_position[: max((j + 1 for j, (d, _) in enumerate(per_position) if d), default=0)], stopped
+    return counts, per_position, stopped
 
 
 def chi_square_p_value(counts, exact):
