@@ -176,6 +176,7 @@ def _cycle_record(row: CycleRow) -> dict:
         "committed": row.committed,
         "t_ms": round(row.t_ms, 3),
         "phase_ms": row.phase_ms,
+        "why": row.why,
     }
 
 
@@ -189,14 +190,14 @@ def timing_csv(rows: list[CycleRow]) -> str:
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(
         ["message_id", "cycle", "depth", "drafted", "accepted", "accepted_per_position", "committed", "t_ms", "part"]
-        + [f"{p}_ms" for p in phases]
+        + [f"{p}_ms" for p in phases] + ["why"]
     )
     for row in rows:
         writer.writerow(
             [row.message_id, row.index, row.depth, row.drafted, row.accepted,
              acceptance_letters(row.accepted_per_position), row.committed, f"{row.t_ms:.3f}",
              row.part]
-            + [f"{row.phase_ms[p]:.4f}" if p in row.phase_ms else "" for p in phases]
+            + [f"{row.phase_ms[p]:.4f}" if p in row.phase_ms else "" for p in phases] + [row.why]
         )
     return buf.getvalue()
 

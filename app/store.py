@@ -109,6 +109,11 @@ MIGRATIONS: list[str] = [
     ALTER TABLE messages ADD COLUMN hidden INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE messages ADD COLUMN settings TEXT;
     """,
+    # v4 -> v5: under --depth auto, why each cycle ran at its depth (the chooser's expected rates, a probe, the
+    # chain's stop); '' for a fixed depth
+    """
+    ALTER TABLE cycles ADD COLUMN why TEXT NOT NULL DEFAULT '';
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -206,6 +211,7 @@ class CycleRow:
     phase_ms: dict[str, float]
     t_ms: float  # milliseconds since the reply started (when the cycle reached the app)
     part: str = ANSWER  # the part of the reply the cycle decoded (its first token's)
+    why: str = ""  # --depth auto: why this depth (the engine's Cycle.why)
 
 
 def migrate(conn: sqlite3.Connection) -> int:
@@ -791,7 +797,7 @@ class Store:
         cycle_rows = [
             (message_id, c.index, c.depth, c.drafted, c.accepted,
              "".join("1" if a else "0" for a in c.accepted_per_position), c.committed,
-             json.dumps(c.phase_ms), t_ms, part)
+             json.dumps(c.phase_ms), t_ms, part, c.why)
             for (c, t_ms), part in zip(cycles, cycle_parts)
         ]
 
@@ -804,7 +810,7 @@ class Store:
                              "VALUES (?, ?, ?, ?, ?)", chunk)
             conn.executemany(
                 """INSERT INTO cycles (message_id, idx, depth, drafted, accepted, accepted_mask, committed,
-                   phase_ms, t_ms, part) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""", cycle_rows)
+                   phase_ms, t_ms, part, why) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""", cycle_rows)
 
         self._write(run)
 
@@ -866,13 +872,13 @@ class Store:
         self.flush(self.READ_WAIT_S)
         rows = self.conn.execute(
             """SELECT c.message_id, c.idx, c.depth, c.drafted, c.accepted, c.accepted_mask, c.committed,
-                      c.phase_ms, c.t_ms, c.part
+                      c.phase_ms, c.t_ms, c.part, c.why
                FROM cycles c JOIN messages m ON m.id = c.message_id
                WHERE m.conversation_id = ? ORDER BY c.id""",
             (conversation_id,),
         ).fetchall()
         return [
             CycleRow(r[0], r[1], r[2], r[3], r[4], [ch == "1" for ch in r[5]], r[6], json.loads(r[7]), r[8],
-                     r[9] or ANSWER)
+                     r[9] or ANSWER, r[10])
             for r in rows
         ]

@@ -305,10 +305,29 @@ def test_a_v3_database_migrates_to_alternatives(tmp_path):
     conn.commit()
     conn.close()
     store = Store(path)
-    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     conv = store.load_conversation(3)
     assert [m.content for m in conv.messages] == ["q", "a"] and not conv.messages[1].hidden
     assert [c.id for c in store.search("q")] == [3]  # the full-text index is built from the old messages
+    store.close()
+
+
+def test_a_v4_timing_log_migrates_and_its_old_cycles_have_no_reason(tmp_path):
+    path = tmp_path / "v4.sqlite3"
+    conn = sqlite3.connect(path)
+    for target, script in enumerate(MIGRATIONS[:4], 1):
+        conn.executescript(script + f"\nPRAGMA user_version = {target};")
+    conn.execute("INSERT INTO conversations (id, title, created_at, updated_at) VALUES (4, 'old', 1, 1)")
+    conn.execute("INSERT INTO messages (id, conversation_id, role, content, created_at) "
+                 "VALUES (9, 4, 'assistant', 'a', 1)")
+    conn.execute("INSERT INTO cycles (message_id, idx, depth, drafted, accepted, accepted_mask, committed, phase_ms, "
+                 "t_ms) VALUES (9, 0, 2, 2, 1, '10', 2, '{}', 1.0)")
+    conn.commit()
+    conn.close()
+    store = Store(path)
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    (row,) = store.cycles(4)
+    assert row.depth == 2 and row.accepted_per_position == [True, False] and row.why == ""
     store.close()
 
 

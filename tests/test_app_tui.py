@@ -217,7 +217,7 @@ async def test_escape_stops_and_the_app_stays_usable(home, model):
 
 @run_async
 async def test_export_dialog_writes_files_and_shows_errors(home, model, tmp_path):
-    write_settings(max_new_tokens=10, depth=2)
+    write_settings(max_new_tokens=10, depth="auto")
     app = MtpChatApp(model=model)
     async with app.run_test(size=SIZE) as pilot:
         await wait_loaded(pilot, app)
@@ -249,7 +249,9 @@ async def test_export_dialog_writes_files_and_shows_errors(home, model, tmp_path
     assert [t["source"] for t in tokens] == reply.sources and [t["id"] for t in tokens] == reply.token_ids
     rows = list(csv.DictReader(files[".csv"].open()))
     assert len(rows) == reply.stats["cycles"] and "verify_ms" in rows[0]
-    assert len(files[".jsonl"].read_text().splitlines()) == reply.stats["cycles"]
+    assert all(r["why"].startswith("expected tok/s by depth 0:") for r in rows)  # auto says why, cycle by cycle
+    lines = [json.loads(line) for line in files[".jsonl"].read_text().splitlines()]
+    assert len(lines) == reply.stats["cycles"] and [x["why"] for x in lines] == [r["why"] for r in rows]
 
 
 @run_async

@@ -29,7 +29,8 @@ def make_reply(store: Store) -> tuple[int, int]:
     store.append_reply(reply, "Hel", [10, 11], ["target", "draft"], ["He", "l"],
                        [(Cycle(0, 2, 2, 1, [True, False], {"draft": 0.5, "verify": 1.5}, 2), 3.0)])
     store.append_reply(reply, "lo", [12], ["target"], ["lo"],
-                       [(Cycle(1, 2, 2, 0, [False, False], {"draft": 0.4, "verify": 1.2, "x": 1}, 1), 5.0)])
+                       [(Cycle(1, 2, 2, 0, [False, False], {"draft": 0.4, "verify": 1.2, "x": 1}, 1,
+                               why="expected tok/s by depth 0: 50, 1: 60, 2: 61"), 5.0)])
     return conv, reply
 
 
@@ -91,6 +92,7 @@ def test_store_saves_every_chunk_and_reopens(home):
     rows = store.cycles(conv)
     assert rows[0] == CycleRow(reply, 0, 2, 2, 1, [True, False], 2, {"draft": 0.5, "verify": 1.5}, 3.0)
     assert [r.index for r in rows] == [0, 1] and rows[1].t_ms == 5.0
+    assert rows[1].why == "expected tok/s by depth 0: 50, 1: 60, 2: 61"  # the timing log keeps auto's reason
     assert store.latest_conversation_id() == conv
     store.finish_message(reply, "complete", finish_reason="eos", stats={"depth": 2})
     assert store.load_conversation(conv).messages[1].stats == {"depth": 2}
@@ -162,6 +164,7 @@ def test_export_writes_all_formats(home, tmp_path):
     assert [r["cycle"] for r in rows] == ["0", "1"]
     assert rows[0]["accepted_per_position"] == "AR" and float(rows[0]["verify_ms"]) == 1.5
     assert rows[0]["x_ms"] == "" and rows[1]["x_ms"] == "1.0000"  # extra phases get their own column
+    assert [r["why"] for r in rows] == ["", "expected tok/s by depth 0: 50, 1: 60, 2: 61"]
 
     lines = [json.loads(line) for line in by_ext["jsonl"].read_text().splitlines()]
     assert lines[1]["phase_ms"]["verify"] == 1.2 and lines[0]["accepted_per_position"] == [True, False]
