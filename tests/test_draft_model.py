@@ -201,6 +201,23 @@ def test_sampled_speculation_with_a_draft_reproduces_and_keeps_the_distribution(
     assert chi_square_p_value(counts, exact) > 1e-4
 
 
+def test_sampled_chains_of_a_draft_stopped_on_doubtful_drafts_keep_the_distribution(engines_with_draft,
+                                                                                    monkeypatch):
+    """--depth auto's floors with a draft model, sampled: a chain of up to 4 drafts stops after one whose q is
+    below 0.5 (the less likely of its top 2; the draft settles the rows it processed); the chi-square test of
+    tests/test_sampling.py."""
+    from test_sampling import ALPHA, chi_square_p_value, exact_distribution, samples
+
+    monkeypatch.setattr(DepthChooser, "pick", lambda self: 4)
+    monkeypatch.setattr(DepthChooser, "floors", lambda self, k: [0.5] * (k - 1))
+    engine = engines_with_draft("sliding")
+    prompt = engine.encode_chat([{"role": "user", "content": "Hello"}])
+    counts, per_position, stopped = samples(engine, prompt, AUTO)
+    assert len(per_position) == 4 and all(0 < a < d for d, a in per_position), per_position
+    assert 0 < stopped and per_position[3][0] > 0
+    assert chi_square_p_value(counts, exact_distribution(engine, prompt)) > ALPHA
+
+
 def test_a_fault_anywhere_in_a_draft_cycle_leaves_both_committed_states(engines_with_draft):
     """Faults at ops spread over a speculative request (the draft's chain, the verify, the commit, both models'
     settling): what was handed out is plain decoding's and the next request is exact, with every draft of the
