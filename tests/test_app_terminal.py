@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import shutil
 import signal
@@ -186,3 +187,25 @@ def test_a_signal_restores_the_terminal_and_exits(tmp_path, signum):
     for restore in (b"\x1b[?1049l", b"\x1b[?1000l", b"\x1b[?1003l", b"\x1b[?1006l", b"\x1b[?25h", b"\x1b[?2004l"):
         assert restore in after, (restore, after[-400:])  # alternate screen, mouse, cursor, bracketed paste
     assert b"Traceback" not in started + after
+
+
+def test_quitting_a_loaded_chat_leaves_nothing_under_the_prompt(tmp_path):
+    """ctrl+q once the model is loaded (its heap frozen, settle_heap): the terminal is restored and nothing is
+    written after it. Triton's nanobind module printed "nanobind: leaked 514 functions!" and ~40 more lines there
+    while the loaded engine's objects stayed frozen through the interpreter's teardown."""
+    process, master = run_in_pty(tmp_path / "home")
+    try:
+        read_until(master, lambda out: b"ready" in out, 60)
+        time.sleep(0.5)
+        os.write(master, b"\x11")  # ctrl+q
+        after = read_until(master, lambda out: False, 20)
+        assert process.wait(20) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        os.close(master)
+    assert b"\x1b[?1049l" in after, after[-400:]
+    tail = after.rsplit(b"\x1b[?1049l", 1)[1]
+    text = re.sub(rb"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][0-9A-Za-z]|\x1b[=>]", b"", tail)
+    assert text.strip() == b"", tail[-400:]
+
