@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -52,17 +53,24 @@ def run_tui(model: str | None = None, depth: int | None = None, device: str | No
     app = MtpChatApp(model=model, depth=depth, device=device, dtype=dtype, loader=loader, think=think)
     app.run()
     code = app.return_code or 0
-    if app.worker.thread.is_alive():
-        # the engine thread is still inside a load or a step (shutdown waited for it a few seconds): letting the
-        # interpreter finalize under it aborts the process in torch's C++ teardown ("terminate called without
-        # an active exception", exit status 134). Everything the chat keeps is written by now (the store closed
-        # in on_unmount), so the process ends here, with the app's own status.
+    busy = app.worker.thread.is_alive()
+    if tp > 1 and not busy:
+        # multiprocessing's exit handlers release what the follower ranks shared, so this process finalizes;
+        # settle_heap froze the loaded model's heap out of the collector's reach, and Triton's (nanobind) objects
+        # in it would outlive their module's teardown, which then prints ~45 lines of "nanobind: leaked ..."
+        gc.unfreeze()
+        return code
+    # Everything the chat keeps is written by now (the store closed in on_unmount), so the process ends here,
+    # without the interpreter's teardown: with the engine thread still inside a load or a step (shutdown waited a
+    # few seconds for it), finalizing under it aborts in torch's C++ teardown ("terminate called without an active
+    # exception", exit status 134); with the model loaded, freeing its frozen heap took 0.7 s before the shell
+    # prompt came back, and Triton's leak report followed (above).
+    if busy:
         logging.getLogger(__name__).info("quit while the engine thread was busy: exiting at once")
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
-    return code
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -268,9 +268,6 @@ class EngineWorker:
         self.submit(Shutdown())
         if self.thread.is_alive():
             self.thread.join(timeout)
-        # settle_heap's frozen objects are out of the collector's reach at exit too: Triton's (nanobind) objects
-        # in cycles outlived its module's teardown, which then printed "nanobind: leaked ..." under the shell prompt
-        gc.unfreeze()
 
     # thread side -------------------------------------------------------------------------------------
     @staticmethod

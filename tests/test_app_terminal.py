@@ -192,7 +192,8 @@ def test_a_signal_restores_the_terminal_and_exits(tmp_path, signum):
 def test_quitting_a_loaded_chat_leaves_nothing_under_the_prompt(tmp_path):
     """ctrl+q once the model is loaded (its heap frozen, settle_heap): the terminal is restored and nothing is
     written after it. Triton's nanobind module printed "nanobind: leaked 514 functions!" and ~40 more lines there
-    while the loaded engine's objects stayed frozen through the interpreter's teardown."""
+    when the interpreter's teardown ran with the loaded engine's objects frozen (launch.run_tui now ends the
+    process without it)."""
     process, master = run_in_pty(tmp_path / "home")
     try:
         read_until(master, lambda out: b"ready" in out, 60)
