@@ -294,11 +294,17 @@ def test_alternatives_persist_and_export(home, tmp_path):
     store.close()
 
 
+def database_at(path, version: int) -> sqlite3.Connection:
+    """A database as an mtpchat of schema `version` left it (empty)."""
+    conn = sqlite3.connect(path)
+    for target, script in enumerate(MIGRATIONS[:version], 1):
+        conn.executescript(script + f"\nPRAGMA user_version = {target};")
+    return conn
+
+
 def test_a_v3_database_migrates_to_alternatives(tmp_path):
     path = tmp_path / "v3.sqlite3"
-    conn = sqlite3.connect(path)
-    for target, script in enumerate(MIGRATIONS[:3], 1):
-        conn.executescript(script + f"\nPRAGMA user_version = {target};")
+    conn = database_at(path, 3)
     conn.execute("INSERT INTO conversations (id, title, created_at, updated_at) VALUES (3, 'old', 1, 1)")
     conn.execute("INSERT INTO messages (conversation_id, role, content, created_at) VALUES (3, 'user', 'q', 1)")
     conn.execute("INSERT INTO messages (conversation_id, role, content, created_at) VALUES (3, 'assistant', 'a', 1)")
@@ -314,9 +320,7 @@ def test_a_v3_database_migrates_to_alternatives(tmp_path):
 
 def test_a_v4_timing_log_migrates_and_its_old_cycles_have_no_reason(tmp_path):
     path = tmp_path / "v4.sqlite3"
-    conn = sqlite3.connect(path)
-    for target, script in enumerate(MIGRATIONS[:4], 1):
-        conn.executescript(script + f"\nPRAGMA user_version = {target};")
+    conn = database_at(path, 4)
     conn.execute("INSERT INTO conversations (id, title, created_at, updated_at) VALUES (4, 'old', 1, 1)")
     conn.execute("INSERT INTO messages (id, conversation_id, role, content, created_at) "
                  "VALUES (9, 4, 'assistant', 'a', 1)")
