@@ -271,7 +271,9 @@ class CommandModuleError(RuntimeError):
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder (Hugging Face layout); default: the best model found")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on CUDA; on the CPU float32, or bfloat16 when the model does not fit in "
+                        "float32 (half the memory)")
     p.add_argument("--max-context", type=max_context, metavar="N",
                    help=f"cap the context at N tokens (at least {MIN_CONTEXT}; default: the model's "
                         f"max_position_embeddings): the KV cache, and so memory, stays within N positions")

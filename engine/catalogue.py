@@ -125,7 +125,8 @@ def fit(entry: Entry, device: DeviceInfo) -> Fit:
                      source="catalogue", disk_bytes=entry.download_bytes, context=info)
     c = assess(cand, device)
     want = min(useful_context(), entry.context)
-    where = f"{format_bytes(device.available_bytes)} available on {device.torch_device}"
+    where = (f"{format_bytes(device.available_bytes)} available on {device.torch_device}"
+             + (f" in {c.run_dtype}" if c.dtype_reason else ""))  # (the CPU, where float32 does not fit)
     if not c.fits_device:
         return Fit(entry, c.mem_bytes, c.context_fits, False,
                    f"needs {entry.approx('params_b')}{format_bytes(c.mem_bytes)} of {where}")

@@ -71,6 +71,7 @@ class Candidate:
     reason: str  # why unsupported; "" when supported
     source: str  # "embedded" | "hf-cache" | "folder"
     run_dtype: str | None = None  # the dtype mem_bytes assumes
+    dtype_reason: str | None = None  # why run_dtype is not the device's default (half_precision_note)
     disk_bytes: int | None = None
     # quantized tensors that load dequantizes to the run dtype (4-bit experts mixed with plain ones in one experts
     # module: dequantized_at_load): their bytes on disk, weights
@@ -330,13 +331,13 @@ def untied_embedding_params(tensors: dict, fam) -> int:
     return _numel(tensors[key][1]) if key is not None else 0
 
 
-def estimate_memory(cand: Candidate, device: DeviceInfo) -> tuple[str | None, int | None]:
-    """(run dtype, bytes) to run `cand` on `device`: weights in the run dtype (quantized ones as stored, but those
-    load dequantizes at the run dtype), less an embedding table auto keeps in host memory, plus a margin for
-    activations, caches and the runtime."""
+def estimate_memory(cand: Candidate, device: DeviceInfo, dtype: str | None = None) -> tuple[str | None, int | None]:
+    """(run dtype, bytes) to run `cand` on `device` in `dtype` (default: run_dtype's): weights in the run dtype
+    (quantized ones as stored, but those load dequantizes at the run dtype), less an embedding table auto keeps in
+    host memory, plus a margin for activations, caches and the runtime."""
     from .host_embedding import check_mode, resolve
 
-    dtype = run_dtype(device, cand.dtype)
+    dtype = dtype or run_dtype(device, cand.dtype)
     if cand.quantization and cand.disk_bytes:
         weights = (cand.disk_bytes - cand.dequantized_disk_bytes
                    + cand.dequantized_params * _DTYPE_BYTES.get(dtype, 4))
@@ -357,13 +358,25 @@ def estimate_memory(cand: Candidate, device: DeviceInfo) -> tuple[str | None, in
 
 
 def assess(cand: Candidate, device: DeviceInfo) -> Candidate:
-    """A copy of `cand` with run_dtype, mem_bytes and fits_device for `device`."""
+    """A copy of `cand` with run_dtype, mem_bytes and fits_device for `device`. On the CPU a model that does not
+    fit in float32 runs in bfloat16 (half_precision_note says so; model.load does the same)."""
     dtype, mem = estimate_memory(cand, device)
+    why = None
+    if device.kind == "cpu" and mem is not None and mem > device.available_bytes:  # (fitting or not: its best chance)
+        why = half_precision_note(mem, device.available_bytes)
+        dtype, mem = estimate_memory(cand, device, "bfloat16")
     fits = mem is not None and mem <= device.available_bytes
     kv = cand.context.kv_bytes_per_token(DTYPE_BYTES.get(dtype, 2)) if cand.context is not None else None
     context = tokens_that_fit(device.available_bytes, mem, kv or 0, cand.context_limit)
-    return replace(cand, run_dtype=dtype, mem_bytes=mem, fits_device=fits, notes=list(cand.notes),
-                   kv_bytes_per_token=kv, context_fits=context)
+    return replace(cand, run_dtype=dtype, dtype_reason=why, mem_bytes=mem, fits_device=fits,
+                   notes=list(cand.notes) + ([why] if why else []), kv_bytes_per_token=kv, context_fits=context)
+
+
+def half_precision_note(need: int, available: int) -> str:
+    """Why a model runs in bfloat16 on the CPU. In bfloat16 a verify pass's rows may round apart from one-row steps,
+    so speculation's text is not guaranteed to be plain decoding's, as on a GPU in 16-bit."""
+    return (f"float32 needs {format_bytes(need)} of {format_bytes(available)} available: running in bfloat16 on "
+            f"the CPU (half the memory; --dtype float32 insists)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -659,8 +672,8 @@ def fallbacks_for(device: DeviceInfo, candidate: Candidate | None) -> list[dict]
     """Every fallback in force for running `candidate` on `device`, each {"feature", "reason"}."""
     out = []
     if device.kind != "cuda":
-        out.append({"feature": "cuda",
-                    "reason": f"{_cpu_reason()}: running on CPU in float32 with torch kernels"})
+        dtype = (candidate.run_dtype if candidate is not None else None) or "float32"
+        out.append({"feature": "cuda", "reason": f"{_cpu_reason()}: running on CPU in {dtype} with torch kernels"})
     usable, why = fla_status(device)
     if not usable:
         out.append({"feature": "fla", "reason": f"{why}: torch reference kernels for the GDN ops"})
@@ -669,7 +682,9 @@ def fallbacks_for(device: DeviceInfo, candidate: Candidate | None) -> list[dict]
             out.append({"feature": "model", "reason": f"{candidate.name} cannot be used: {candidate.reason}"
                         + ("" if "supported:" in candidate.reason else
                            f" (supported model types: {supported_types_text()})")})
-        elif not candidate.has_mtp:
+        if candidate.dtype_reason:
+            out.append({"feature": "dtype", "reason": candidate.dtype_reason})
+        if candidate.supported and not candidate.has_mtp:
             out.append({"feature": "speculation",
                         "reason": f"no MTP head in {candidate.name}: plain decoding"})
     return out

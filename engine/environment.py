@@ -387,8 +387,8 @@ def backend_plan(device: DeviceInfo | None) -> dict[str, dict]:
 
 
 def run_dtype(device: DeviceInfo | None, disk_dtype: str | None = None) -> str:
-    """The dtype a model runs in by default: float32 on CPU; on CUDA the checkpoint's half type (bfloat16 unless
-    the checkpoint is float16)."""
+    """The dtype a model runs in by default: float32 on CPU (bfloat16 when the model does not fit in float32:
+    discovery.assess); on CUDA the checkpoint's half type (bfloat16 unless the checkpoint is float16)."""
     if device is None or device.kind != "cuda":
         return "float32"
     return "float16" if disk_dtype == "float16" else "bfloat16"

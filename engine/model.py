@@ -588,18 +588,30 @@ class Loaded:
     fallbacks: list[Fallback]
 
 
-def default_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype, list[Fallback]]:
+def default_device_dtype(device: str | None, dtype: str | None,
+                         root=None) -> tuple[torch.device, torch.dtype, list[Fallback]]:
+    """root: the model, whose size picks the CPU's default dtype (float32, or bfloat16 when only that fits:
+    discovery.assess)."""
     fallbacks = []
+    defaulted = device is None
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cpu":
-            fallbacks.append(Fallback("cuda", "no CUDA device: running on the CPU in float32 with torch kernels"))
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EngineError("--device cuda: no CUDA device is available (use --device cpu)")
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise EngineError(f"--device {device!r}: expected cpu or cuda")
+    if dtype is None and device == "cpu" and root is not None:
+        from .discovery import inspect_model
+        from .environment import cpu_device
+
+        cand = inspect_model(root, device=cpu_device())
+        if cand.dtype_reason:
+            dtype = cand.run_dtype
+            fallbacks.append(Fallback("dtype", cand.dtype_reason))
     if dtype is None:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    if defaulted and device == "cpu":
+        fallbacks.insert(0, Fallback("cuda", f"no CUDA device: running on the CPU in {dtype} with torch kernels"))
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in table:
         raise EngineError(f"--dtype {dtype!r}: expected one of {', '.join(table)}")
@@ -624,7 +636,7 @@ def load(path, device: str | None = None, dtype: str | None = None, tp=None, mtp
     root = model_dir(path)
     if tp is not None:
         device = str(tp.device)
-    dev, dt, fallbacks = default_device_dtype(device, dtype)
+    dev, dt, fallbacks = default_device_dtype(device, dtype, root if tp is None else None)
     where = str(root / "config.json")
     raw = read_json(root / "config.json", "config")
     family = family_for(raw, where)

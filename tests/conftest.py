@@ -93,8 +93,8 @@ def engines_default_to_the_cpu(request, monkeypatch):
 
     chosen = model.default_device_dtype
 
-    def cpu_default(device, dtype):
-        return chosen(device or "cpu", dtype)
+    def cpu_default(device, dtype, root=None):
+        return chosen(device or "cpu", dtype, root)
 
     monkeypatch.setattr(model, "default_device_dtype", cpu_default)
     monkeypatch.setattr(presets, "default_device_dtype", cpu_default)

@@ -15,7 +15,7 @@ from fixtures import to_hf_cache, write_checkpoint
 from safetensors import safe_open
 
 from engine import discovery
-from engine.discovery import Candidate, assess, choose, discover, fallbacks_for, inspect_model
+from engine.discovery import Candidate, assess, choose, discover, estimate_memory, fallbacks_for, inspect_model
 from engine.environment import (DeviceInfo, DeviceUnavailable, fla_status, package_versions, probe_device,
                                 run_dtype)
 
@@ -233,7 +233,11 @@ def test_headers_only_never_tensor_data(tmp_path):
     assert c.run_dtype == "float32" and c.mem_bytes > 4 * (1 << 29)  # CPU runs float32
 
     small = DeviceInfo(kind="cpu", name="small", total_bytes=1 << 31, free_bytes=1 << 31)
-    assert not assess(c, small).fits_device
+    half = assess(c, small)  # float32 does not fit in 2 GiB, bfloat16 does: it runs so, and says why
+    assert half.fits_device and half.run_dtype == "bfloat16"
+    assert half.dtype_reason.startswith("float32 needs 2.4 GiB of 2.0 GiB")
+    tiny = DeviceInfo(kind="cpu", name="tiny", total_bytes=1 << 30, free_bytes=1 << 30)
+    assert not assess(c, tiny).fits_device and assess(c, tiny).run_dtype == "bfloat16"  # (its best chance)
 
     gpu = DeviceInfo(kind="cuda", name="fake-gpu", total_bytes=8 << 30, free_bytes=8 << 30, index=0)
     g = assess(c, gpu)
@@ -273,8 +277,12 @@ def test_choice_larger_wins_among_mtp_and_memory_limits(env, monkeypatch):
     cands = discover([str(env["moe"])], device=BIG)
     assert choose(cands, BIG).candidate.name == "moe"  # the largest MTP-capable model
 
-    next_mem = by_name(cands)["tiny-org/next-mtp"].mem_bytes
-    tight = DeviceInfo(kind="cpu", name="tight", total_bytes=next_mem, free_bytes=next_mem)
+    moe = by_name(cands)["moe"]
+    half = estimate_memory(moe, BIG, "bfloat16")[1]
+    roomy = DeviceInfo(kind="cpu", name="roomy", total_bytes=half, free_bytes=half)  # moe fits in bfloat16 only
+    ch = choose(cands, roomy)
+    assert ch.candidate.name == "moe" and ch.candidate.run_dtype == "bfloat16" and ch.candidate.dtype_reason
+    tight = DeviceInfo(kind="cpu", name="tight", total_bytes=half - 1, free_bytes=half - 1)
     ch = choose(cands, tight)
     assert ch.candidate.name in ("tiny-org/next-mtp", "q35-text-mtp") and ch.candidate.fits_device
     assert "does not fit" in dict(ch.rejected)["moe"]

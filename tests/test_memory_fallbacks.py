@@ -98,3 +98,64 @@ def test_oom_after_an_in_place_decoding_step_is_not_retried(ckpt, engines, monke
     monkeypatch.setattr(engine.mtp_drafter, "keep", keep)
     out = [t for e in engine.generate(prompt, settings) if isinstance(e, Tokens) for t in e.token_ids]
     assert out == plain and engine.diagnostics()["compile"]["cuda_graphs"]["decode"]["replays"]["1"] > 5
+
+
+# the CPU's dtype by memory --------------------------------------------------------------------------------
+def memory_between_the_dtypes(path, monkeypatch):
+    """Patch the host's available memory to halfway between what the model needs in bfloat16 and in float32;
+    returns (its need in float32, in bfloat16)."""
+    from engine import environment
+    from engine.discovery import estimate_memory, inspect_model
+
+    cand, cpu = inspect_model(path), environment.cpu_device()
+    (_, f32), (_, bf16) = estimate_memory(cand, cpu, "float32"), estimate_memory(cand, cpu, "bfloat16")
+    assert bf16 < f32
+    monkeypatch.setattr(environment, "cpu_memory", lambda: (8 << 30, (bf16 + f32) // 2))
+    return f32, bf16
+
+
+@pytest.mark.parametrize("name", ["next", "q35_moe"])
+def test_a_model_that_fits_the_cpu_only_in_bfloat16_runs_in_bfloat16_with_the_reason(name, ckpt, monkeypatch):
+    """Discovery and the loader agree: float32 when it fits (the exact reference), else bfloat16 with the reason,
+    where the model would otherwise not fit at all. The reply still drafts, accepts and rejects."""
+    import torch
+    from engine import environment
+    from engine.discovery import choose, fallbacks_for, inspect_model
+
+    path = ckpt(name)
+    f32, bf16 = memory_between_the_dtypes(path, monkeypatch)
+    cpu = environment.cpu_device()
+    cand = inspect_model(path, device=cpu)
+    assert (cand.run_dtype, cand.mem_bytes, cand.fits_device) == ("bfloat16", bf16, True)
+    assert cand.dtype_reason.startswith("float32 needs") and "running in bfloat16" in cand.dtype_reason
+    assert choose([cand], cpu).candidate is not None  # (in float32 it would not fit: no pick)
+    reasons = {f["feature"]: f["reason"] for f in fallbacks_for(cpu, cand)}
+    assert reasons["dtype"] == cand.dtype_reason and "in bfloat16 with torch kernels" in reasons["cuda"]
+
+    engine = api.load_engine(str(path), device="cpu")
+    assert engine.trunk.dtype == torch.bfloat16
+    assert [f.reason for f in engine.loaded.fallbacks if f.feature == "dtype"] == [cand.dtype_reason]
+    events = list(engine.generate(engine.encode_chat([{"role": "user", "content": "Hello"}]),
+                                  GenerationSettings(max_new_tokens=24, depth=3, ignore_eos=True)))
+    assert 0 < events[-1].stats["accepted"] < events[-1].stats["drafted"]
+    assert sum(len(e.token_ids) for e in events if isinstance(e, Tokens)) == 24
+
+    insisted = api.load_engine(str(path), device="cpu", dtype="float32")  # the user's --dtype stands
+    assert insisted.trunk.dtype == torch.float32 and not any(f.feature == "dtype" for f in insisted.loaded.fallbacks)
+
+
+def test_the_cpu_keeps_float32_when_it_fits_and_takes_bfloat16_when_neither_fits(ckpt, monkeypatch):
+    """float32 whenever it fits; when even bfloat16 does not, the picker passes the model over and, asked for it
+    by path, the loader tries bfloat16: its best chance."""
+    import torch
+    from engine import environment
+    from engine.discovery import inspect_model
+
+    path = ckpt("next")
+    f32, bf16 = memory_between_the_dtypes(path, monkeypatch)
+    for available, dtype, fits in ((f32 + (1 << 20), torch.float32, True),
+                                   (bf16 - (1 << 20), torch.bfloat16, False)):
+        monkeypatch.setattr(environment, "cpu_memory", lambda: (8 << 30, available))
+        cand = inspect_model(path, device=environment.cpu_device())
+        assert (cand.run_dtype, cand.fits_device, bool(cand.dtype_reason)) == (str(dtype)[6:], fits, not fits)
+        assert api.load_engine(str(path), device="cpu").trunk.dtype == dtype

@@ -291,7 +291,8 @@ def test_catalogue_holds_the_references_facts():
 @pytest.mark.parametrize("kind, gib, series, picked", [
     ("cuda", 140, "qwen3.5", "qwen3.5-122b-a10b-fp8"),  # 127 GB of FP8 fits an H200; 250 GB of bf16 does not
     ("cuda", 24, "qwen3.5", "qwen3.5-9b-fp8"),  # 9B in FP8 and bf16 both fit: FP8 reads half the bytes
-    ("cpu", 16, "qwen3.5", "qwen3.5-2b"),  # float32 on CPU: 4B needs ~19 GiB; FP8 would dequantize every step
+    ("cpu", 8, "qwen3.5", "qwen3.5-2b"),  # on the CPU float32 where it fits, else bfloat16 (2B: 5.0 GiB; 4B: 9.9
+    ("cpu", 16, "qwen3.5", "qwen3.5-4b"),  # in bfloat16, 19.5 in float32). FP8 would dequantize every step
     ("cuda", 140, "qwen3.6", "qwen3.6-35b-a3b-fp8"),
     ("cuda", 24, "qwen3-next", None),
 ])
@@ -303,6 +304,7 @@ def test_series_pick_is_the_largest_that_fits_with_a_useful_context(kind, gib, s
     if entry:
         assert why.startswith(f"{picked} ({entry.repo}): the largest {series} variant that fits")
         assert ("FP8 variants skipped on the CPU" in why) == (kind == "cpu")
+        assert ("available on cpu in bfloat16, with" in why) == (kind == "cpu")  # (float32 fits neither)
     else:
         assert why.startswith(f"no {series} variant the engine runs fits")
 
