@@ -5,7 +5,11 @@ app/safe_text.py); --json is the lossless form (json.dumps escapes every control
 
 A thinking model's reply has two parts: stdout gets the answer only (what a script pipes on, as with ollama's
 --hidethinking or llama.cpp's --reasoning-format: the reasoning apart); --show-thinking streams the reasoning to
-stderr, dimmed on a terminal. --json gives both: "text" (the answer) and "reasoning" ("" when none)."""
+stderr, dimmed on a terminal. --json gives both: "text" (the answer) and "reasoning" ("" when none).
+
+A fallback that concerns this run (no MTP head, --think without the template's switch, bfloat16 on the CPU, the
+depth lowered after running out of memory, another model picked) is a note line on stderr; --json lists every
+one, the machine's too ("no CUDA device", FLA), which `mtpchat doctor` reports."""
 
 from __future__ import annotations
 
@@ -14,8 +18,10 @@ import sys
 from pathlib import Path
 
 from .reply_parts import REASONING, parts_or_answer, shown_answer, split_pieces
+from .safe_text import terminal_safe
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"  # the app's own styling of the reasoning on a terminal (never model text)
+MACHINE_FALLBACKS = ("cuda", "fla")  # the same on every run here: doctor's, not a note each time
 
 
 def add_parser(sub) -> None:
@@ -224,7 +230,7 @@ def _run(args, engine, group=None) -> int:
     engine.check_context(len(prompt), settings.max_new_tokens)
     lead = group is None or group.rank == 0
     streamed = StreamedReply(getattr(args, "show_thinking", False)) if not args.json and lead else None
-    reply, finished, fallbacks = ReplyText(), None, []
+    reply, finished, fallbacks, noted = ReplyText(), None, [], set()
     for ev in engine.generate(prompt, settings, DecodeControl(settings.depth)):
         if isinstance(ev, Started):
             fallbacks = ev.fallbacks
@@ -234,6 +240,8 @@ def _run(args, engine, group=None) -> int:
                 streamed.feed(reasoning, answer)
         elif isinstance(ev, Finished):
             finished = ev
+        if isinstance(ev, (Started, Finished)) and streamed is not None:  # (before the reply, or after it)
+            note(ev.fallbacks, noted)
     if args.json:
         out = {
             "model": engine.info.path,
@@ -261,6 +269,14 @@ def _run(args, engine, group=None) -> int:
         except (OSError, ValueError):
             pass
     return 0
+
+
+def note(fallbacks, noted: set) -> None:
+    """Each fallback of this run not noted yet, a line on stderr."""
+    for f in fallbacks:
+        if f.feature not in MACHINE_FALLBACKS and f.reason not in noted:
+            noted.add(f.reason)
+            _write_err(f"mtpchat: note: {terminal_safe(f.reason)}\n")
 
 
 def parts_summary(stats: dict) -> str:

@@ -227,6 +227,12 @@ def test_a_partial_mtp_head_means_plain_decoding_with_the_reason(ckpt, tmp_path,
     assert code == 0 and len(out["token_ids"]) == 4 and out["stats"]["drafted"] == 0
     reasons = [f["reason"] for f in out["fallbacks"] if f["feature"] == "speculation"]
     assert any("partial MTP head: tensor 'mtp.layers.0.self_attn.k_proj.weight' is missing" in r for r in reasons)
+    # as text: a note line on stderr for each fallback of this run, once; the machine's are doctor's
+    code = main(["run", "--model", str(partial), "--prompt", "hi", "--max-new-tokens", "4", "--depth", "2",
+                 "--ignore-eos", "--think"])
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mtpchat: note: ")]
+    assert code == 0 and len(notes) == len(set(notes)) == 2, notes
+    assert "'mtp.layers.0.self_attn.k_proj.weight' is missing" in notes[0] and "--think / --no-think" in notes[1]
 
 
 def test_bad_input_from_a_real_process_has_no_traceback(tmp_path):
