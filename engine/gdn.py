@@ -132,6 +132,19 @@ def keep_rows(state: GDNState, stash: VerifyStash, n: int, backends) -> None:
     state.conv.copy_(stash.window[:, :, n : n + state.conv.shape[-1]])
 
 
+def keep_first(state: GDNState, stash: VerifyStash, n: torch.Tensor, width: int, backends) -> None:
+    """keep_rows with n on the device (a tensor [], 0 <= n <= width; 0 keeps the state as it is), for a graph that
+    commits without the host (graphs.GraphRunner.cycle): the recurrence replayed over the first `width` stashed
+    rows, those from n on made no-ops (g = 0: no decay; beta = k = v = 0: nothing added, exactly, whatever the
+    rows held), and the conv window that ends at token n."""
+    rows = torch.arange(width, device=n.device) < n
+    k, v = (torch.where(rows[None, :, None, None], t[:, :width], 0) for t in (stash.k, stash.v))
+    g, beta = (torch.where(rows[None, :, None], t[:, :width], 0) for t in (stash.g, stash.beta))
+    backends.gdn_recurrent.update_rows(stash.q[:, :width], k, v, g, beta, state.recurrent)
+    window = stash.window.index_select(2, n + torch.arange(state.conv.shape[-1], device=n.device))
+    state.conv.copy_(torch.where(n > 0, window, state.conv))
+
+
 def commit(state: GDNState, stash: VerifyStash, m: int, backends, keep_rows=keep_rows) -> None:
     """Keep the first m + 1 verified tokens. keep_rows: `keep_rows` or a stand-in with its signature
     (GraphRunner.keep_rows: the same, as a graph per n)."""

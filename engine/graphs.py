@@ -12,12 +12,14 @@ buffers into the same outputs), so the buffer handling is tested where CI runs.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
 import torch
 
 from .splitk import PDL_OFF
+from .timing import HostMark
 
 
 def compile_block(backend: str = "inductor"):
@@ -51,15 +53,15 @@ def not_compiled(trunk) -> str | None:
     return None
 
 
-def put_back(state, fn: Callable):
-    """fn() with the GDN state put back afterwards: a capture's warm-up runs the same kernels as the step, and
-    must not advance the state that the step writes in place."""
-    saved = state.conv.clone(), state.recurrent.clone()
+def put_back(tensors, fn: Callable):
+    """fn() with tensors (the GDN state's, or every buffer a step writes in place) put back afterwards: a
+    capture's warm-up runs the same kernels as the step, and must not advance the state that the step writes."""
+    saved = [t.clone() for t in tensors]
     try:
         return fn()
     finally:  # also when the warm-up fails after its GDN layers ran: the caller then steps eagerly from it
-        state.conv.copy_(saved[0])
-        state.recurrent.copy_(saved[1])
+        for t, old in zip(tensors, saved):
+            t.copy_(old)
 
 
 class Rerun:
@@ -216,6 +218,27 @@ class StepGraphs:
 PREFILL_WIDTHS = (16, 32, 64, 96, 128, 160, 192, 224, 256)  # (padding costs compute: buckets 32 apart)
 
 
+def record(event) -> None:
+    if event is not None:
+        event.record()
+
+
+STOPS = 16  # stop ids a cycle graph can cut a reply at
+
+
+class Ahead:
+    """What the cycle graph (GraphRunner.cycle) keeps on the device from one replay to the next: the last
+    committed token, the MTP head's next first draft and hidden, the request's stop ids, and the previous
+    cycle's acceptance [m, targets] (m = -1: nothing pending). The committed position is the graphs' own."""
+
+    def __init__(self, width: int, hidden_size: int, dtype, device):
+        self.last = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self.first = torch.zeros(1, dtype=torch.long, device=device)
+        self.h = torch.zeros((1, 1, hidden_size), dtype=dtype, device=device)
+        self.prev = torch.full((1 + width,), -1, dtype=torch.long, device=device)
+        self.stops = torch.full((STOPS,), -1, dtype=torch.long, device=device)
+
+
 class GraphRunner:
     """The trunk's verify steps as graphs (optionally with each layer kind compiled inside them)."""
 
@@ -228,6 +251,10 @@ class GraphRunner:
         self.splits: dict[int, object] = {}  # width -> the event a refreshing graph records between the two
         self.decodes = StepGraphs(trunk.device, 1, trunk.group, chained=True)  # plain decoding's in-place step
         self.prefills = StepGraphs(trunk.device, PREFILL_WIDTHS[-1], trunk.group)  # short prefills, padded
+        self.cycles = StepGraphs(trunk.device, max_width, trunk.group)  # whole greedy MTP cycles (cycle)
+        if os.environ.get("MTPCHAT_CYCLE_GRAPHS", "1") == "0":  # (the host's path, for comparisons)
+            self.cycles.failure = "cycle graphs off (MTPCHAT_CYCLE_GRAPHS=0)"
+        self.ahead: Ahead | None = None
         self.compile_failure: str | None = None
         if compile:
             self.compile_failure = not_compiled(trunk)
@@ -241,6 +268,7 @@ class GraphRunner:
         self.decodes.reset()
         self.refreshing.reset()
         self.prefills.reset()
+        self.cycles.reset()
 
     def keep_rows(self, state, stash, n: int, backends) -> None:
         """gdn.keep_rows as a graph per kept length n (and one per whole verify pass kept): the kernel launch
@@ -253,7 +281,7 @@ class GraphRunner:
             return ()
 
         def warmup(pos):
-            return put_back(state, lambda: step(pos))
+            return put_back((state.conv, state.recurrent), lambda: step(pos))
 
         graphs = self.finals if n == stash.width else self.commits
         key = (stash.serial, state.serial)
@@ -269,24 +297,13 @@ class GraphRunner:
         adds (first draft, head hidden) to the outputs; on CUDA the graph records an event between the two parts
         (split(width): the phase timer's boundary between verify and refresh). None if that graph cannot be
         captured: the caller verifies without it (the graph without the head still runs)."""
-        from .sampling import accept_greedy
-
         trunk, T = self.trunk, tokens.shape[1]
         stash = caches.stash_for(max(self.steps.max_width, T), trunk)
         key = (caches.kv.serial, stash.serial, caches.gdn.serial)
         split = self.split(T) if drafter is not None else None
 
         def step(tokens, pos):
-            pos = trunk.positions(pos, T)  # (once for the trunk and the head)
-            rope = trunk.rope(pos, T)
-            hidden = trunk.forward(tokens, pos, caches, verify=True, rope=rope)
-            logits = trunk.logits(hidden[0])
-            packed = accept_greedy(logits, tokens)
-            if drafter is None:
-                return hidden, logits, packed
-            if split is not None:
-                split.record()
-            return hidden, logits, packed, *drafter.refresh_verified(hidden, packed, pos, rope)
+            return self.verified(tokens, pos, caches, drafter, split)
 
         if drafter is not None:
             out = self.refreshing.try_run(key + (drafter.cache.serial,), (tokens,), pos, step,
@@ -308,14 +325,101 @@ class GraphRunner:
         stash.width = T  # the Python side effect of the replayed forward
         return out
 
-    def split(self, width: int):
-        """The timing event a refreshing graph of this width records between verify and refresh (CUDA only: an
-        external event, so that a replay records it again)."""
-        if self.trunk.device.type != "cuda":
-            return None
-        if width not in self.splits:
-            self.splits[width] = torch.cuda.Event(enable_timing=True, external=True)
-        return self.splits[width]
+    def verified(self, tokens: torch.Tensor, pos, caches, drafter=None, split=None) -> tuple:
+        """verify's step, to be captured: (hidden, logits, packed[, first draft, head hidden])."""
+        from .sampling import accept_greedy
+
+        trunk, T = self.trunk, tokens.shape[1]
+        pos = trunk.positions(pos, T)  # (once for the trunk and the head)
+        rope = trunk.rope(pos, T)
+        hidden = trunk.forward(tokens, pos, caches, verify=True, rope=rope)
+        logits = trunk.logits(hidden[0])
+        packed = accept_greedy(logits, tokens)
+        if drafter is None:
+            return hidden, logits, packed
+        if split is not None:
+            split.record()
+        return hidden, logits, packed, *drafter.refresh_verified(hidden, packed, pos, rope)
+
+    def cycle(self, T: int, caches, drafter, start: int | None = None, last: torch.Tensor | None = None,
+              stops=()):
+        """A whole greedy MTP cycle as one graph per width T = depth + 1, which needs nothing from the host: it
+        commits the cycle replayed before it (its acceptance and stash, kept on the device in self.ahead), then
+        drafts T - 1 tokens from the head's refresh of that cycle, verifies them and refreshes the head. The
+        host launches the next cycle before it reads this one's acceptance, so the GPU never waits for it (on a
+        small model the host's read, commit and launches between two cycles were a third of a cycle).
+
+        start: the committed position, when nothing is pending (the last cycle was committed by the host): the
+        buffers are then filled from the host's state (last: the last committed token [1]; the head's first
+        draft and hidden: drafter.ready; stops: the request's stop ids), and a graph not captured yet may be.
+        None: the replay commits the pending cycle, and the caller has made sure that the graph replays as it is
+        (cycle_ready). Returns packed (sampling.accept_greedy's, static), or None if the graph cannot be
+        captured (the host's path from then on)."""
+        from .gdn import keep_first
+
+        a, trunk = self.ahead, self.trunk
+        stash = caches.stash_for(max(self.steps.max_width, T), trunk)  # (start: may reallocate, re-capture)
+        key = self.cycle_key(caches, drafter)
+        graphs, width = self.cycles, self.steps.max_width  # (rows any cycle can keep: the previous may be wider)
+        if a is None or a.h.shape[-1] != trunk.config.hidden_size or a.h.dtype != trunk.dtype:
+            a = self.ahead = Ahead(width, trunk.config.hidden_size, trunk.dtype, trunk.device)
+        splits = [self.split(("cycle", T, i)) for i in range(3)]
+        state = caches.gdn
+
+        def step(pos):
+            m, targets = a.prev[0], a.prev[1 : 1 + width]
+            rows = torch.arange(width, device=pos.device)
+            # (no host reads in a capture: comparisons, not isin; index_select, not indexing by a tensor)
+            stop = (targets[:, None] == a.stops[None, :]).any(-1) & (rows <= m)  # (m = -1: nothing pending)
+            n = torch.where(stop.any(), stop.int().argmax() + 1, m + 1)  # cut after an EOS, as finish does
+            keep_first(state, stash, n, width, trunk.backends)
+            pos.add_(n)
+            a.last.copy_(torch.where(n > 0, targets.index_select(0, (n - 1).clamp(min=0).view(1)), a.last))
+            record(splits[0])
+            drafts = drafter.chained(a.h, a.first, pos, T - 2) if T > 2 else a.first[:0]
+            tokens = torch.cat([a.last.view(1), a.first, drafts]).view(1, T)
+            record(splits[1])
+            hidden, logits, packed, first, h = self.verified(tokens, pos, caches, drafter, splits[2])
+            a.prev[: 1 + T].copy_(packed[: 1 + T])
+            a.first.copy_(first)
+            a.h.copy_(h)
+            return packed
+
+        def warmup(pos):
+            return put_back((state.conv, state.recurrent, pos, a.last, a.first, a.h, a.prev), lambda: step(pos))
+
+        if start is not None:
+            a.last.copy_(last.view(1, 1))
+            a.first.copy_(drafter.ready[0])
+            a.h.copy_(drafter.ready[1])
+            a.prev.fill_(-1)
+            a.stops.fill_(-1)
+            a.stops[: len(stops)] = torch.tensor(sorted(stops), dtype=torch.long)
+        out = graphs.try_run(key, (), start, step, "cycle graph", warmup, width=T)
+        graphs.at = None  # (each replay moves the position by what it commits)
+        if out is not None:
+            stash.width = T
+        return out
+
+    def cycle_key(self, caches, drafter) -> tuple:
+        stash = caches.stash.serial if caches.stash is not None else None
+        return caches.kv.serial, stash, caches.gdn.serial, drafter.cache.serial
+
+    def cycle_ready(self, T: int, caches, drafter) -> bool:
+        """Whether the cycle graph of width T replays as it is, with a cycle pending: captured over these very
+        buffers (nothing may be reallocated or captured while that cycle's rows wait in the stash and caches)."""
+        stash = caches.stash
+        return (stash is not None and stash.fits(caches.n_gdn, max(self.steps.max_width, T), self.trunk.dtype,
+                                                 self.trunk.device)
+                and self.cycles.key == self.cycle_key(caches, drafter) and T in self.cycles.graphs)
+
+    def split(self, key):
+        """A timing event a graph records between two phases (a refreshing graph of width key: between verify
+        and refresh): on CUDA an external event, so that a replay records it again; on the CPU a HostMark."""
+        if key not in self.splits:
+            cuda = self.trunk.device.type == "cuda"
+            self.splits[key] = torch.cuda.Event(enable_timing=True, external=True) if cuda else HostMark()
+        return self.splits[key]
 
     def run(self, tokens: torch.Tensor, pos: int, caches) -> torch.Tensor:
         """The verify pass's hidden states (Trunk.forward with verify=True)."""
@@ -338,7 +442,7 @@ class GraphRunner:
             return hidden, logits, torch.argmax(logits, -1, keepdim=True, out=tokens).view(1)
 
         def warmup(tokens, pos):
-            return put_back(state, lambda: step(tokens, pos))
+            return put_back((state.conv, state.recurrent), lambda: step(tokens, pos))
 
         return self.decodes.try_run(key, (tokens,), pos, step, "decode graph", warmup, fed=fed)
 
@@ -375,6 +479,6 @@ class GraphRunner:
     def report(self) -> dict:
         return {**self.steps.report(), "commit": self.commits.report(), "commit_whole": self.finals.report(),
                 "decode": self.decodes.report(), "prefill": self.prefills.report(),
-                "verify_refresh": self.refreshing.report(),
+                "verify_refresh": self.refreshing.report(), "cycle": self.cycles.report(),
                 "compiled": self.trunk.compiled_block is not None, "compile_failure": self.compile_failure,
                 "warmup_s": round(self.steps.warmup_s, 1)}

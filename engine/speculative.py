@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .events import DRAFT, TARGET, Cycle
+from .graphs import STOPS
 from . import sampling
 from .sampling import SamplingParams, probabilities, sample
 from .timing import PhaseTimer
@@ -36,6 +37,7 @@ class Request:
     # --depth auto: per draft j of the next chain, the drafter's probability of it below which the chain stops
     # after it (autodepth.stop_floors); empty: the chain runs to the cycle's depth
     draft_floors: list[float] = field(default_factory=list)
+    staged: torch.Tensor | None = None  # append_values' page-locked copy of seq
 
     def reserve(self, n: int) -> None:
         """Room for n more tokens (the one allocation of appending, done before a commit mutates anything)."""
@@ -49,6 +51,20 @@ class Request:
         n = tokens.shape[0]
         self.reserve(n)
         self.seq[self.length : self.length + n] = tokens
+        self.length += n
+
+    def append_values(self, values: list[int]) -> None:
+        """Commit tokens known on the host without waiting for the device (a plain copy from host memory waits
+        for the stream): staged in page-locked memory, each position once, so no copy in flight reads a value
+        written after it was queued."""
+        n = len(values)
+        self.reserve(n)
+        part = torch.tensor(values, dtype=self.seq.dtype)
+        if self.seq.is_cuda:
+            if self.staged is None or self.staged.shape[0] < self.seq.shape[0]:
+                self.staged = torch.empty(self.seq.shape[0], dtype=self.seq.dtype, pin_memory=True)
+            part = self.staged[self.length : self.length + n].copy_(part)
+        self.seq[self.length : self.length + n].copy_(part, non_blocking=True)
         self.length += n
 
 
@@ -185,6 +201,7 @@ class Launched:
     stepped: bool  # plain decoding's in-place graph step ran: t_n is processed already
     refreshed: tuple | None = None  # the head refreshed inside the verify graph: (first draft, hidden), static
     stopped: bool = False  # the drafter's chain stopped short of the depth on a doubtful draft
+    ahead: bool = False  # a cycle graph's (GraphRunner.cycle): the next cycle graph's replay can commit it
 
 
 def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, timer: PhaseTimer,
@@ -192,6 +209,10 @@ def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, tim
     """Draft and verify one cycle and start copying its acceptance to the host; nothing waits for the GPU.
     Leaves the committed state on any exception (StateLost once an in-place plain step has run). fed: the last
     token is the greedy argmax of an in-place plain step, committed as it came (decode_step)."""
+    if pipelined(trunk, caches, drafter, req, depth):
+        c = launch_cycle(trunk, caches, drafter, req, flight, depth, timer)
+        if c is not None:
+            return c
     k = min(depth, req.max_new - len(req.generated) - 1) if drafter is not None else 0
     stepped, refreshed, stopped = False, None, False
     try:
@@ -226,6 +247,49 @@ def launch(trunk, caches, drafter, req: Request, flight: Flight, depth: int, tim
         abandon(caches, drafter, e, stepped)
         raise
     return Launched(k, drafts, hidden, packed, host, ready, stepped, refreshed, stopped)
+
+
+def pipelined(trunk, caches, drafter, req: Request, depth: int) -> bool:
+    """Whether cycles at this depth run as cycle graphs (GraphRunner.cycle): greedy, the MTP head refreshing
+    inside the graphs, chains not stopped on doubtful drafts, on one device (no tensor-parallel ranks to keep
+    in step), without sliding-window rings (settled by the host), and stop ids the graph can hold."""
+    runner = trunk.graphs
+    return (depth >= 1 and refreshes_in_verify(trunk, drafter, req) and not req.draft_floors
+            and trunk.group is None and caches.window is None and runner.cycles.failure is None
+            and depth < runner.steps.max_width and len(req.stop_ids) <= STOPS)
+
+
+def launch_cycle(trunk, caches, drafter, req: Request, flight: Flight, depth: int, timer: PhaseTimer,
+                 after: Launched | None = None) -> Launched | None:
+    """Launch a cycle graph after the committed state, or after the launched cycle `after`, which its replay
+    then commits on the device (before this cycle's drafts). None when it cannot: too near the reply's end, no
+    room reserved, nothing for the head to draft from, or (with `after`) its graph not captured; the caller then
+    takes the host's path. An exception with `after` launched is StateLost: the replay may have committed it."""
+    pending = after.k + 1 if after is not None else 0  # (at most that many tokens: `after`'s, not read yet)
+    k = min(depth, req.max_new - len(req.generated) - pending - 1)
+    room = pending + k + 1
+    if (k < 1 or after is None and (drafter.ready is None or drafter.pending)
+            or caches.kv.length + room > caches.kv.capacity or drafter.cache.length + room > drafter.cache.capacity):
+        return None  # (reserving here could reallocate a cache that `after`'s uncommitted rows are in)
+    runner = trunk.graphs
+    if after is not None and not runner.cycle_ready(k + 1, caches, drafter):
+        return None
+    replaying = False
+    try:
+        with timer.phase("commit"):
+            start = caches.processed if after is None else None
+            replaying = after is not None  # (from here on `after` may be committed on the device)
+            packed = runner.cycle(k + 1, caches, drafter, start, req.seq[req.length - 1 : req.length], req.stop_ids)
+            for i, name in enumerate(("draft", "verify", "refresh") if packed is not None else ()):
+                timer.hand_over(runner.split(("cycle", k + 1, i)), name)
+        if packed is None:
+            return None
+        with timer.phase("accept"):
+            host, ready = start_read(packed, flight)
+    except BaseException as e:
+        abandon(caches, drafter, e, stepped=replaying)
+        raise
+    return Launched(k, None, None, packed, host, ready, False, (runner.ahead.first, runner.ahead.h), ahead=True)
 
 
 def drop_in_flight(caches, drafter, flight: Flight) -> None:
@@ -265,10 +329,20 @@ def cycle(trunk, caches, drafter, req: Request, flight: Flight, depth: int, time
         except BaseException as e:
             abandon(caches, drafter, e, stepped=True)
             raise
-    out, sources, stats = finish(trunk, caches, drafter, req, flight, c, timer, appended=ahead)
+    elif c.ahead and pipelined(trunk, caches, drafter, req, depth):
+        try:  # the next cycle graph, launched before this one is read: its replay commits this one
+            flight.launched = launch_cycle(trunk, caches, drafter, req, flight, depth, timer, after=c)
+        except StateLost:
+            raise
+        except Exception as e:  # nothing launched: the host commits this cycle, the error is the next call's
+            flight.error = e
+    committed = c.ahead and flight.launched is not None
+    out, sources, stats = finish(trunk, caches, drafter, req, flight, c, timer, appended=ahead, committed=committed)
     if req.finish is not None:
+        if committed:  # (the cycle after the reply's end: its verify is forgotten, this one's commit stays)
+            back_to_committed(caches, drafter)
         flight.launched = None  # a step ahead of the EOS processed it; its own token is dropped
-    elif flight.launched is None and trunk.graphs is not None:
+    elif flight.launched is None and flight.error is None and trunk.graphs is not None:
         try:
             flight.launched = launch(trunk, caches, drafter, req, flight, depth, timer)
         except StateLost:
@@ -279,12 +353,14 @@ def cycle(trunk, caches, drafter, req: Request, flight: Flight, depth: int, time
 
 
 def finish(trunk, caches, drafter, req: Request, flight: Flight, c: Launched, timer: PhaseTimer,
-           appended: bool = False):
+           appended: bool = False, committed: bool = False):
     """Read a launched cycle's acceptance (the one host sync of the cycle) and commit it as one transaction:
     prepare does everything that reads, allocates or can fail and mutates nothing committed; apply writes the
     trunk caches, the drafter and the request, in that order, into storage that exists already. appended: the
-    cycle's one token is in the request already (greedy in-place plain steps, see cycle)."""
-    k = c.k
+    cycle's one token is in the request already (greedy in-place plain steps, see cycle). committed: the cycle
+    graph launched after it commits it on the device (cut after an EOS as here): the host only follows, and a
+    failure leaves no committed state it knows."""
+    k, stepped = c.k, c.stepped or committed
     try:  # prepare
         if c.ready is not None:
             c.ready.synchronize()
@@ -300,7 +376,7 @@ def finish(trunk, caches, drafter, req: Request, flight: Flight, c: Launched, ti
         # acceptance makes the accepted drafts equal to it, sampling does not
         accepted = sources.count(DRAFT)
         tokens = None
-        if not appended:
+        if not appended and not committed:  # (committed: the device's copy is the next replay's by now)
             tokens = (c.packed[1 : 1 + len(out)] if req.sampling.greedy
                       else torch.cat([c.drafts[:accepted], c.packed[1 + accepted : 1 + len(out)]]))
             req.reserve(len(out))
@@ -308,10 +384,15 @@ def finish(trunk, caches, drafter, req: Request, flight: Flight, c: Launched, ti
         if drafter is not None and not c.stepped and not c.refreshed:
             kept = drafter.keep(c.hidden[:, : m + 1])
     except BaseException as e:
-        abandon(caches, drafter, e, c.stepped)
+        abandon(caches, drafter, e, stepped)
         raise
     try:  # apply: a failure here leaves no committed state to go back to
-        if not c.stepped:  # (an in-place step has nothing to commit: its state is written)
+        if committed:  # (its cost is in the next cycle graph's commit phase)
+            caches.advance(m + 1)
+            drafter.rollback()
+            drafter.refreshed(m + 1, *c.refreshed)
+            req.append_values(out)
+        elif not c.stepped:  # (an in-place step has nothing to commit: its state is written)
             with timer.phase("commit"):
                 caches.commit(m, trunk.backends, trunk.graphs)
                 if drafter is not None:

@@ -19,35 +19,37 @@ class PhaseTimer:
         self.pending: list[tuple[str, object, object]] = []  # CUDA: (phase, start event, end event)
         self.totals: dict[str, float] = {}
         self.recent: dict[str, float] = {}
-        self.handed: tuple | None = None  # (event, phase): the current phase's time after event counts there
+        self.handed: list = []  # (event, phase): the current phase's time after each event counts there
 
     @contextmanager
     def phase(self, name: str):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
-            self.handed = None
+            self.handed = []
             try:
                 yield
             finally:
                 end.record(self.stream)
-                if self.handed is None:
-                    self.pending.append((name, start, end))
-                else:
-                    (mid, later), self.handed = self.handed, None
-                    self.pending += [(name, start, mid), (later, mid, end)]
+                names, marks = [name] + [later for _, later in self.handed], [start] + [e for e, _ in self.handed]
+                self.pending += list(zip(names, marks, marks[1:] + [end]))
+                self.handed = []
         else:
             t0 = time.perf_counter()
+            self.handed = []
             try:
                 yield
             finally:
-                self._add(self.recent, name, (time.perf_counter() - t0) * 1e3)
+                names, marks = [name] + [later for _, later in self.handed], [t0] + [e.t for e, _ in self.handed]
+                for phase, a, b in zip(names, marks, marks[1:] + [time.perf_counter()]):
+                    self._add(self.recent, phase, (b - a) * 1e3)
+                self.handed = []
 
     def hand_over(self, event, name: str) -> None:
-        """Inside phase(): from `event` on (recorded on the device, e.g. inside a CUDA graph that does two
-        phases' work) the time counts as phase `name`. No-op without an event (the CPU: no split)."""
-        if self.cuda and event is not None:
-            self.handed = (event, name)
+        """Inside phase(): from `event` on (a CUDA event, or a HostMark on the CPU, recorded inside a graph that
+        does several phases' work; in order) the time counts as phase `name`. No-op without an event."""
+        if event is not None:
+            self.handed.append((event, name))
 
     def _add(self, into: dict, name: str, ms: float) -> None:
         into[name] = into.get(name, 0.0) + ms
@@ -70,3 +72,12 @@ class PhaseTimer:
         for k, v in out.items():
             self._add(self.totals, k, v)
         return out
+
+
+class HostMark:
+    """The CPU's stand-in for a CUDA event recorded inside a graph (graphs.Rerun runs the step on the host)."""
+
+    t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()

@@ -50,19 +50,22 @@ def test_cuda_graphs_certified_and_lossless(name, ckpt):
     assert all(int(report["replays"][str(w)]) > 5 for w in (2, 4))
     assert report["decode"]["failure"] is None and int(report["decode"]["replays"]["1"]) > 5
     assert report["commit"]["failure"] is None and int(report["commit"]["replays"]["1"]) > 5  # commit's replay
-    # greedy MTP cycles: verify + the head's refresh in one graph per width, timed apart by the event inside it
-    refreshing = report["verify_refresh"]
-    assert refreshing["failure"] is None and all(int(refreshing["replays"][str(w)]) > 5 for w in (2, 4))
+    # greedy MTP cycles: a reply's first verifies with the head's refresh in one graph per width; the rest are
+    # cycle graphs (the last cycle's commit, the drafts, verify and refresh), timed apart by the events inside
+    refreshing, whole = report["verify_refresh"], report["cycle"]
+    assert refreshing["failure"] is None and all(int(refreshing["replays"][str(w)]) >= 1 for w in (2, 4))
+    assert whole["failure"] is None and all(int(whole["replays"][str(w)]) > 2 for w in (2, 4))
     from engine import GenerationSettings
     from engine.events import Cycle
 
     cycles = [ev for ev in graphs.generate(prompt, GenerationSettings(max_new_tokens=16, depth=3, ignore_eos=True))
               if isinstance(ev, Cycle)]
     assert all(c.phase_ms["refresh"] > 0 and c.phase_ms["verify"] > 0 for c in cycles[1:-1])
-    captures = (report["captures"], refreshing["captures"])
+    assert all(c.phase_ms["draft"] > 0 and c.phase_ms["commit"] > 0 for c in cycles[2:-1])
+    captures = (report["captures"], refreshing["captures"], whole["captures"])
     tokens(graphs, prompt, 3)  # a further request re-uses the captured graphs: no re-capture
     again = graphs.diagnostics()["compile"]["cuda_graphs"]
-    assert (again["captures"], again["verify_refresh"]["captures"]) == captures
+    assert (again["captures"], again["verify_refresh"]["captures"], again["cycle"]["captures"]) == captures
 
 
 @pytest.mark.parametrize("name", ["q35", "next_moe"])

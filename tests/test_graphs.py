@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import engine
 from engine import DecodeControl, GenerationSettings, load_engine
 from engine.drafters import OracleDrafter
+from engine.errors import EngineError
 from engine.events import Cycle, Finished, Tokens
 from test_exactness import decode
 
@@ -92,12 +93,17 @@ def test_replayed_steps_equal_eager_and_replays_are_counted(name, ckpt, engines)
     assert trunk["commit_whole"]["failure"] is None and sum(trunk["commit_whole"]["replays"].values()) > 5
     # greedy MTP cycles: the head's refresh inside the verify graph (the oracle's cycles: the graph without it)
     refreshing = trunk["verify_refresh"]
-    assert refreshing["failure"] is None and all(refreshing["replays"][str(w)] > 5 for w in (2, 4))
+    # greedy MTP cycles: a reply's first verifies with the head's refresh inside; the rest run as cycle graphs
+    # (the last one's commit, the drafts, the verify and the refresh in one replay, launched before the host
+    # reads the last one)
+    assert refreshing["failure"] is None and all(refreshing["replays"][str(w)] >= 1 for w in (2, 4))
+    cycles = trunk["cycle"]
+    assert cycles["failure"] is None and all(cycles["replays"][str(w)] > 2 for w in (2, 4))
     # the head's own graphs: only its catch-up over each prompt's last position (the rest of the prompt is primed
     # during prefill; drafting and refreshing ride in the verify and chain graphs)
     assert set(mtp["replays"]) == {"1"}
-    chains = report["mtp_draft_chain_graphs"]  # greedy depth 3: the two steps after the refresh, as one graph
-    assert chains["failure"] is None and chains["replays"]["2"] > 5
+    chains = report["mtp_draft_chain_graphs"]  # greedy depth 3's first cycle: the two steps after the refresh
+    assert chains["failure"] is None and chains["replays"]["2"] >= 1
     if name == "demo":
         assert sum(trunk["commit"]["replays"].values()) > trunk["commit"]["replays"]["1"]  # drafts were accepted
     captures = (trunk["captures"], mtp["captures"])
@@ -219,7 +225,9 @@ def test_a_cycle_launched_ahead_of_a_stop_is_dropped_and_the_next_turn_is_exact(
     assert fin.reason == "stop" and fin.stats["accepted"] > 0
     # each cycle reports its own draft and verify, recorded by the call that launched it
     assert all({"draft", "verify", "commit"} <= set(c.phase_ms) for c in cycles)
-    verifies = sum(ahead.graph_runner.refreshing.replays.values())  # greedy MTP: verify + refresh graphs
+    runner = ahead.graph_runner  # greedy MTP: the first cycle's verify + refresh graph, then cycle graphs
+    assert sum(runner.refreshing.replays.values()) == 1 and sum(runner.cycles.replays.values()) > 5
+    verifies = sum(runner.refreshing.replays.values()) + sum(runner.cycles.replays.values())
     assert verifies == fin.stats["cycles"] + 1  # one launched ahead, never finished
     assert ahead.caches.processed == len(prompt) + len(toks) - 1  # the finished cycles' tokens, the last unprocessed
     assert ahead.mtp_drafter.cache.length == ahead.mtp_drafter.covered  # its speculative entries rolled back
@@ -234,10 +242,12 @@ def test_an_error_in_the_launch_ahead_comes_after_the_tokens_of_the_finished_cyc
     error there is raised by the next cycle, so those tokens still go out, and the usual retry at a lower depth
     continues exactly. In verify_pass it fails before the verify + refresh replay; in start_read after it, when
     the replay has overwritten the refresh's outputs (kept uncopied at commit): the retry then drafts from the
-    failed cycle's values, which may cost acceptance, never the text (every draft is verified)."""
+    failed cycle's values, which may cost acceptance, never the text (every draft is verified). (The host's
+    path: cycle graphs off; their launch ahead is the next test's.)"""
     import engine.speculative as speculative
 
     graphs = load_engine(DEMO, cuda_graphs=True)
+    monkeypatch.setattr(speculative, "pipelined", lambda *a: False)
     prompt = graphs.encode_chat([{"role": "user", "content": "What is a dictionary in Python?"}])
     settings = GenerationSettings(max_new_tokens=40, depth=3, ignore_eos=True)
     plain = run(load_engine(DEMO), prompt, 0, n=40)[0]
@@ -258,6 +268,83 @@ def test_an_error_in_the_launch_ahead_comes_after_the_tokens_of_the_finished_cyc
     ran = call if where == "start_read" else call - 1  # the failed launch's own replay: start_read's case only
     assert graphs.diagnostics()["compile"]["cuda_graphs"]["verify_refresh"]["replays"]["4"] == ran
     assert tokens_of(events) == plain
+
+
+def test_an_error_launching_a_cycle_graph_ahead_is_retried_before_its_replay_and_drops_the_state_after():
+    """A cycle graph is launched before the cycle it commits is read. An out-of-memory error before its replay
+    leaves that cycle to the host: its tokens go out, and the error (raised by the next call) is retried at a
+    lower depth, exactly. After its replay (which may have committed the cycle on the device) nothing is known
+    to be committed: the request fails with the one line that says the state was dropped, what went out is
+    plain decoding's, and the next request is exact."""
+    import engine.speculative as speculative
+    from engine.graphs import GraphRunner
+
+    graphs = load_engine(DEMO, cuda_graphs=True)
+    prompt = graphs.encode_chat([{"role": "user", "content": "What is a dictionary in Python?"}])
+    settings = GenerationSettings(max_new_tokens=40, depth=3, ignore_eos=True)
+    plain = run(load_engine(DEMO), prompt, 0, n=40)[0]
+    real_ready, real_read = GraphRunner.cycle_ready, speculative.start_read
+    calls = {"ahead": 0}
+
+    def counted(self, *a):  # (asked before each launch ahead)
+        calls["ahead"] += 1
+        if calls["ahead"] == fail_at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real_ready(self, *a)
+
+    fail_at = 3
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GraphRunner, "cycle_ready", counted)
+        events = list(graphs.generate(prompt, settings))
+    kinds = [type(e).__name__ for e in events]
+    note = kinds.index("Fallback")
+    assert "depth lowered to 1" in events[note].reason
+    # the first token, the first cycle (the host's), the one that started the cycle graphs, two launched ahead
+    assert kinds[1:note].count("Tokens") == 5
+    assert tokens_of(events) == plain
+
+    def broken_read(values, flight):
+        if calls["ahead"] == 2:
+            raise RuntimeError("injected: the copy to the host failed")
+        return real_read(values, flight)
+
+    calls["ahead"], fail_at = 0, None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GraphRunner, "cycle_ready", counted)
+        mp.setattr(speculative, "start_read", broken_read)
+        out = []
+        with pytest.raises(EngineError, match="state was dropped"):
+            for ev in graphs.generate(prompt, settings):
+                out += ev.token_ids if isinstance(ev, Tokens) else []
+    assert out == plain[: len(out)] and len(out) > 1
+    assert run(graphs, prompt, 3, n=40)[0] == plain
+
+
+def test_a_stop_id_among_accepted_drafts_ends_a_cycle_graph_s_reply_where_plain_decoding_does():
+    """A cycle graph commits the cycle before it on the device, cut after its first stop id as the host cuts
+    it: when a reply ends on an accepted draft the committed state is the reply's, exactly (the next turn,
+    reusing it, decodes what a fresh engine decodes)."""
+    graphs, fresh = load_engine(DEMO, cuda_graphs=True), load_engine(DEMO)
+    first = [{"role": "user", "content": "What is a dictionary in Python?"}]
+    prompt = graphs.encode_chat(first)
+    plain = run(fresh, prompt, 0, n=60)[0]
+    _, sources, _ = decode(graphs, prompt, depth=3, max_new_tokens=60)
+    # stop ids that come out as accepted drafts, first seen past the first cycles (which the host commits)
+    candidates = [t for i, (t, src) in enumerate(zip(plain, sources)) if src == "draft" and i >= 8
+                  and t not in plain[:i]][:4]
+    assert len(candidates) >= 2
+    ended = 0
+    for stop in candidates:
+        graphs.stop_ids = fresh.stop_ids = frozenset({stop})
+        want = plain[: plain.index(stop) + 1]
+        tokens, srcs, fin = decode(graphs, prompt, depth=3, max_new_tokens=60, ignore_eos=False)
+        assert tokens == want and fin.reason == "eos"
+        ended += srcs[-1] == "draft"
+        assert graphs.caches.processed == len(prompt) + len(tokens) - 1
+        assert graphs.mtp_drafter.cache.length == graphs.mtp_drafter.covered
+        a, b = (next_turn(e, first, tokens, "And a list?", 24) for e in (graphs, fresh))
+        assert a[0].reused_tokens > len(prompt) and tokens_of(a) == tokens_of(b)
+    assert ended >= 2 and sum(graphs.graph_runner.cycles.replays.values()) > 10
 
 
 def test_sampled_decoding_with_graphs_and_cycles_launched_ahead_draws_what_eager_decoding_draws():
@@ -300,8 +387,11 @@ def test_the_refresh_inside_the_verify_graph_keeps_the_head_cache_causal():
     prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     tokens, fin = run(graphs, prompt, 3, n=40)
     assert fin.stats["accepted"] > 0 and fin.stats["drafted"] > fin.stats["accepted"]  # full and partial cycles
-    # every cycle but the last, whose one token (k = 0) is plain decoding's step: the head only observes it
-    assert sum(graphs.graph_runner.refreshing.replays.values()) == fin.stats["cycles"] - 1
+    # every cycle but the last, whose one token (k = 0) is plain decoding's step: the head only observes it (the
+    # first verifies in the verify + refresh graph, the rest in cycle graphs, which run the same refresh)
+    runner = graphs.graph_runner
+    assert sum(runner.refreshing.replays.values()) == 1
+    assert sum(runner.refreshing.replays.values()) + sum(runner.cycles.replays.values()) == fin.stats["cycles"] - 1
     mtp, n = graphs.mtp_drafter, graphs.caches.processed
     assert mtp.covered == n - 1 and mtp.pending[0].shape[1] == 1
     seq = torch.tensor(prompt + tokens)

@@ -169,10 +169,10 @@ def test_host_table_exact_in_graphs_and_off_the_gpu(ckpt, dtype):
     assert abs((mid - base) - (end - mid) - table) < 1 << 16, (mid - base, end - mid, table)
 
     prompt = on_gpu.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
-    for depth in (0, 3):  # plain decoding's graph, and verify graphs with the MTP head's refresh (it embeds too)
+    for depth in (0, 3):  # plain decoding's graph, verify and cycle graphs with the MTP head's refresh (it embeds too)
         assert greedy(on_host, prompt, depth) == greedy(on_gpu, prompt, depth)
     report = on_host.diagnostics()["compile"]["cuda_graphs"]
     assert report["failure"] is None and int(report["decode"]["replays"]["1"]) > 5  # replayed, not eager
-    assert int(report["verify_refresh"]["replays"]["4"]) > 2
+    assert int(report["verify_refresh"]["replays"]["4"]) >= 1 and int(report["cycle"]["replays"]["4"]) > 1
     assert torch.equal(prefill_logits(on_host, prompt), prefill_logits(on_gpu, prompt))  # (eager: the prefill)
 

@@ -4,6 +4,10 @@ host (launches, Python, the one sync per cycle); one whose GPU is busy is bound 
 
     python packaging/bench/profile_cycle.py --model engine/assets/demo [--compile] [--depths 0,1,3] [--json OUT]
     python packaging/bench/profile_cycle.py --random-weights qwen3-next-80b-a3b --layers 12 --compile
+    python packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 --host  # what the GPU waits for
+
+--host: per depth, the GPU's idle gaps between kernels with the host ops that ran meanwhile, and a cProfile of
+the loop (the wait for the GPU shows up in the one sync per cycle; the rest is host time the GPU may wait for).
 """
 
 from __future__ import annotations
@@ -40,6 +44,26 @@ def busy_ms(events) -> tuple[float, int, dict]:
     return total / 1e3, len(spans), fam
 
 
+def host_time(engine: Engine, depth: int, n: int) -> dict:
+    """What the GPU waits for at this depth: its idle gaps with the host ops meanwhile, and the loop's cProfile."""
+    import cProfile
+    import io
+    import pstats
+
+    from profile_step import idle_gaps  # (this script's folder is on sys.path)
+
+    gaps = idle_gaps(lambda tokens: generate(engine, depth, tokens), tokens=48)
+    prof = cProfile.Profile()
+    prof.enable()
+    generate(engine, depth, n)
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(28)
+    print(text.getvalue()[-7000:])
+    return {"idle_gaps": gaps, "cprofile_top": text.getvalue()[-7000:]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
@@ -49,6 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--depths", default="0,1,2,3")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--json")
+    ap.add_argument("--host", action="store_true")
     args = ap.parse_args(argv)
     if args.model:
         engine = load_engine(args.model, "cuda", "bfloat16", compile=args.compile)
@@ -75,6 +100,8 @@ def main(argv=None) -> int:
                "wall_ms_per_cycle": wall / cycles, "gpu_busy_ms_per_cycle": busy / cycles,
                "gpu_busy_fraction": busy / wall, "kernels_per_cycle": kernels / cycles,
                "top_kernels_ms_per_cycle": {k: v / cycles for k, v in top}}
+        if args.host:
+            row["host"] = host_time(engine, depth, args.tokens)
         rows.append(row)
         print(f"depth {depth}: {args.tokens / wall * 1e3:7.1f} tok/s, {cycles} cycles, {wall / cycles:.3f} ms a "
               f"cycle, GPU busy {busy / cycles:.3f} ms ({busy / wall:.0%}), {kernels / cycles:.0f} kernels a cycle")
