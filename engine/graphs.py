@@ -150,16 +150,20 @@ class StepGraphs:
         """run(), except that a capture that fails is recorded and answered None (the owner runs eagerly from
         then on). A replay that fails raises: it may have written state in place, which only the caller can
         judge."""
+        width = self.try_ready(key, inputs, pos, step, what, warmup, width)
+        return None if width is None else self.replay(width, inputs, fed)
+
+    def try_ready(self, key, inputs, pos, step, what: str, warmup: Callable | None = None, width=None):
+        """ready(), except that a capture that fails is recorded and answered None."""
         if self.failure is not None:  # failed once: no capture is tried again
             return None
         try:
-            width = self.ready(key, inputs, pos, step, warmup, width)
+            return self.ready(key, inputs, pos, step, warmup, width)
         except Exception as e:
             self.failure = f"{what} capture failed ({type(e).__name__}: {str(e)[:160]})"
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             return None
-        return self.replay(width, inputs, fed)
 
     def capture(self, width: int, inputs, step: Callable, warmup: Callable | None = None) -> None:
         """Under tensor parallelism every rank must run the same code, graphs or eager: a capture that failed on
@@ -229,9 +233,10 @@ STOPS = 16  # stop ids a cycle graph can cut a reply at
 class Ahead:
     """What the cycle graph (GraphRunner.cycle) keeps on the device from one replay to the next: the last
     committed token, the MTP head's next first draft and hidden, the request's stop ids, and the previous
-    cycle's acceptance [m, targets] (m = -1: nothing pending). The committed position is the graphs' own."""
+    cycle's acceptance [m, targets] (m = -1: nothing pending), and the committed position."""
 
     def __init__(self, width: int, hidden_size: int, dtype, device):
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
         self.last = torch.zeros((1, 1), dtype=torch.long, device=device)
         self.first = torch.zeros(1, dtype=torch.long, device=device)
         self.h = torch.zeros((1, 1, hidden_size), dtype=dtype, device=device)
@@ -255,6 +260,7 @@ class GraphRunner:
         if os.environ.get("MTPCHAT_CYCLE_GRAPHS", "1") == "0":  # (the host's path, for comparisons)
             self.cycles.failure = "cycle graphs off (MTPCHAT_CYCLE_GRAPHS=0)"
         self.ahead: Ahead | None = None
+        self.turn = 0  # which of a width's two cycle graphs replayed last
         self.compile_failure: str | None = None
         if compile:
             self.compile_failure = not_compiled(trunk)
@@ -353,8 +359,10 @@ class GraphRunner:
         buffers are then filled from the host's state (last: the last committed token [1]; the head's first
         draft and hidden: drafter.ready; stops: the request's stop ids), and a graph not captured yet may be.
         None: the replay commits the pending cycle, and the caller has made sure that the graph replays as it is
-        (cycle_ready). Returns packed (sampling.accept_greedy's, static), or None if the graph cannot be
-        captured (the host's path from then on)."""
+        (cycle_ready). Returns (packed: sampling.accept_greedy's, static; the events the replay records between
+        its commit, draft, verify and refresh), or None if the graph cannot be captured (the host's path from
+        then on). Each width has two graphs, replayed in turn, each with its own events: a cycle's are read after
+        the next cycle was launched, which must not record them again."""
         from .gdn import keep_first
 
         a, trunk = self.ahead, self.trunk
@@ -363,10 +371,10 @@ class GraphRunner:
         graphs, width = self.cycles, self.steps.max_width  # (rows any cycle can keep: the previous may be wider)
         if a is None or a.h.shape[-1] != trunk.config.hidden_size or a.h.dtype != trunk.dtype:
             a = self.ahead = Ahead(width, trunk.config.hidden_size, trunk.dtype, trunk.device)
-        splits = [self.split(("cycle", T, i)) for i in range(3)]
         state = caches.gdn
 
-        def step(pos):
+        def step(splits):  # (the committed position is a.pos: one for both graphs of a width, every width)
+            pos = a.pos
             m, targets = a.prev[0], a.prev[1 : 1 + width]
             rows = torch.arange(width, device=pos.device)
             # (no host reads in a capture: comparisons, not isin; index_select, not indexing by a tensor)
@@ -385,21 +393,37 @@ class GraphRunner:
             a.h.copy_(h)
             return packed
 
-        def warmup(pos):
-            return put_back((state.conv, state.recurrent, pos, a.last, a.first, a.h, a.prev), lambda: step(pos))
+        def ready(turn):  # (captured at a start, both of a width at once: a reply replays the same graphs)
+            splits = [self.split(("cycle", T, turn, i)) for i in range(3)]
+            written = (state.conv, state.recurrent, a.pos, a.last, a.first, a.h, a.prev)
+            return graphs.try_ready(key, (), None, lambda _: step(splits), "cycle graph",
+                                    lambda _: put_back(written, lambda: step(splits)), width=(T, turn)), splits
 
         if start is not None:
+            a.pos.fill_(start)
             a.last.copy_(last.view(1, 1))
             a.first.copy_(drafter.ready[0])
             a.h.copy_(drafter.ready[1])
             a.prev.fill_(-1)
             a.stops.fill_(-1)
             a.stops[: len(stops)] = torch.tensor(sorted(stops), dtype=torch.long)
-        out = graphs.try_run(key, (), start, step, "cycle graph", warmup, width=T)
-        graphs.at = None  # (each replay moves the position by what it commits)
-        if out is not None:
-            stash.width = T
-        return out
+        turn = self.turn ^ 1 if start is None else 0
+        if start is not None and ready(1)[0] is None:
+            return None
+        which, splits = ready(turn)
+        if which is None:
+            return None
+        out = graphs.replay(which, ())
+        stash.width, self.turn = T, turn
+        return out, splits
+
+    def cycle_report(self) -> dict:
+        """The cycle graphs' report by width (each width's two graphs together)."""
+        report, replays = self.cycles.report(), {}
+        for (T, _), n in self.cycles.replays.items():
+            replays[str(T)] = replays.get(str(T), 0) + n
+        widths = sorted({T for T, _ in self.cycles.graphs})
+        return {**report, "captured_widths": widths, "replays": dict(sorted(replays.items()))}
 
     def cycle_key(self, caches, drafter) -> tuple:
         stash = caches.stash.serial if caches.stash is not None else None
@@ -411,7 +435,7 @@ class GraphRunner:
         stash = caches.stash
         return (stash is not None and stash.fits(caches.n_gdn, max(self.steps.max_width, T), self.trunk.dtype,
                                                  self.trunk.device)
-                and self.cycles.key == self.cycle_key(caches, drafter) and T in self.cycles.graphs)
+                and self.cycles.key == self.cycle_key(caches, drafter) and (T, self.turn ^ 1) in self.cycles.graphs)
 
     def split(self, key):
         """A timing event a graph records between two phases (a refreshing graph of width key: between verify
@@ -479,6 +503,6 @@ class GraphRunner:
     def report(self) -> dict:
         return {**self.steps.report(), "commit": self.commits.report(), "commit_whole": self.finals.report(),
                 "decode": self.decodes.report(), "prefill": self.prefills.report(),
-                "verify_refresh": self.refreshing.report(), "cycle": self.cycles.report(),
+                "verify_refresh": self.refreshing.report(), "cycle": self.cycle_report(),
                 "compiled": self.trunk.compiled_block is not None, "compile_failure": self.compile_failure,
                 "warmup_s": round(self.steps.warmup_s, 1)}

@@ -279,11 +279,12 @@ def launch_cycle(trunk, caches, drafter, req: Request, flight: Flight, depth: in
         with timer.phase("commit"):
             start = caches.processed if after is None else None
             replaying = after is not None  # (from here on `after` may be committed on the device)
-            packed = runner.cycle(k + 1, caches, drafter, start, req.seq[req.length - 1 : req.length], req.stop_ids)
-            for i, name in enumerate(("draft", "verify", "refresh") if packed is not None else ()):
-                timer.hand_over(runner.split(("cycle", k + 1, i)), name)
-        if packed is None:
+            out = runner.cycle(k + 1, caches, drafter, start, req.seq[req.length - 1 : req.length], req.stop_ids)
+            for event, name in zip(out[1] if out is not None else (), ("draft", "verify", "refresh")):
+                timer.hand_over(event, name)
+        if out is None:
             return None
+        packed = out[0]
         with timer.phase("accept"):
             host, ready = start_read(packed, flight)
     except BaseException as e:

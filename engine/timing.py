@@ -62,7 +62,7 @@ class PhaseTimer:
         if self.cuda:
             keep = []
             for name, start, end in self.pending:
-                if block or end.query():
+                if block or (end.query() and start.query()):  # (a graph's events: both, in any order)
                     end.synchronize()
                     self._add(self.recent, name, start.elapsed_time(end))
                 else:

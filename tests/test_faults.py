@@ -75,7 +75,7 @@ def graph_failures(e) -> list:
     r, d = e.graph_runner, e.mtp_drafter
     if r is None:
         return []
-    return [g.failure for g in (r.steps, r.commits, r.finals, r.decodes, r.refreshing, d.graphs, d.chains)
+    return [g.failure for g in (r.steps, r.commits, r.finals, r.decodes, r.refreshing, r.cycles, d.graphs, d.chains)
             if g.failure]
 
 

@@ -53,7 +53,7 @@
 #   bash packaging/bench/h200.sh where80  # kernels of one 80B-A3B slice step (bf16, --compile, the 16-bit Triton
 #                                         # linears); the demo model's cycles: wall vs GPU busy
 #   bash packaging/bench/h200.sh cycles   # the demo model with cycle graphs and without (MTPCHAT_CYCLE_GRAPHS=0);
-#                                         # what its cycles' GPU waits for (profile_cycle.py --host); GPU tests
+#                                         # GPU tests
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
 # the device's python3 has none of them.
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
@@ -288,13 +288,11 @@ bits)  # about 7 minutes
   BENCH_TIMEOUT=240 bench --random-weights qwen3.5-27b --quant fp8 --compile --depths 0,3 --drafter oracle \
         --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_fp8_dotbits_h200.json"
   ;;
-cycles)  # issue #28: the demo model's cycles as one graph each, launched ahead of the host's read (about 7 minutes)
+cycles)  # issue #28: the demo model's cycles as one graph each, launched ahead of the host's read (about 6 minutes)
   for way in 1 0; do
     MTPCHAT_CYCLE_GRAPHS=$way bench --model engine/assets/demo --depths 0,2,3,4 --drafter mtp --max-new-tokens 256 \
           --repeat 3 --no-hf --out "$OUT/bench_demo_cycles_${way}_h200.json"
   done
-  (cd packaging/bench && timeout 150 python3 profile_cycle.py --model ../../engine/assets/demo --depths 0,3 --host \
-        --json "$OUT/cycle_host_demo_h200.json" > "$OUT/cycle_host.txt" 2>&1; grep -E "^depth|GPU idle" "$OUT/cycle_host.txt")
   gpu_tests 150 "$OUT/gpu_tests.log" tests/test_gpu.py tests/test_host_embedding.py
   ;;
 suite)  # the test modules that load engines, on a CUDA host, four processes at once (each ${SUITE_LIMIT:-500} s at
