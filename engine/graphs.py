@@ -257,8 +257,13 @@ class GraphRunner:
         self.decodes = StepGraphs(trunk.device, 1, trunk.group, chained=True)  # plain decoding's in-place step
         self.prefills = StepGraphs(trunk.device, PREFILL_WIDTHS[-1], trunk.group)  # short prefills, padded
         self.cycles = StepGraphs(trunk.device, max_width, trunk.group)  # whole greedy MTP cycles (cycle)
-        if os.environ.get("MTPCHAT_CYCLE_GRAPHS", "1") == "0":  # (the host's path, for comparisons)
+        # Off on CUDA until a device run has measured them (tests/test_gpu.py and `h200.sh cycles` turn them on):
+        # MTPCHAT_CYCLE_GRAPHS=1 on, 0 off (the host's path, for comparisons)
+        cycles = os.environ.get("MTPCHAT_CYCLE_GRAPHS", "")
+        if cycles == "0":
             self.cycles.failure = "cycle graphs off (MTPCHAT_CYCLE_GRAPHS=0)"
+        elif cycles != "1" and trunk.device.type == "cuda":
+            self.cycles.failure = "cycle graphs off on CUDA until measured there (MTPCHAT_CYCLE_GRAPHS=1: on)"
         self.ahead: Ahead | None = None
         self.turn = 0  # which of a width's two cycle graphs replayed last
         self.compile_failure: str | None = None

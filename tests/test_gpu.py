@@ -16,7 +16,8 @@ def tokens(engine, prompt, depth, drafter=None, n=32):
 
 
 @pytest.mark.parametrize("name", ["next", "next_moe", "q35", "q35_moe"])
-def test_fla_float32_speculation_equals_plain_and_cpu(name, ckpt):
+def test_fla_float32_speculation_equals_plain_and_cpu(name, ckpt, monkeypatch):
+    monkeypatch.setenv("MTPCHAT_CYCLE_GRAPHS", "1")  # (greedy MTP cycles as cycle graphs: engine/graphs.py)
     gpu = load_engine(str(ckpt(name)), device="cuda", dtype="float32")
     cpu = load_engine(str(ckpt(name)), device="cpu", dtype="float32")
     try:
@@ -34,7 +35,8 @@ def test_fla_float32_speculation_equals_plain_and_cpu(name, ckpt):
 
 
 @pytest.mark.parametrize("name", ["next", "q35_moe"])
-def test_cuda_graphs_certified_and_lossless(name, ckpt):
+def test_cuda_graphs_certified_and_lossless(name, ckpt, monkeypatch):
+    monkeypatch.setenv("MTPCHAT_CYCLE_GRAPHS", "1")  # (greedy MTP cycles as cycle graphs: engine/graphs.py)
     eager = load_engine(str(ckpt(name)), device="cuda", dtype="float32", cuda_graphs=False)
     graphs = load_engine(str(ckpt(name)), device="cuda", dtype="float32", cuda_graphs=True)
     prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
