@@ -222,11 +222,6 @@ class StepGraphs:
 PREFILL_WIDTHS = (16, 32, 64, 96, 128, 160, 192, 224, 256)  # (padding costs compute: buckets 32 apart)
 
 
-def record(event) -> None:
-    if event is not None:
-        event.record()
-
-
 STOPS = 16  # stop ids a cycle graph can cut a reply at
 
 
@@ -242,6 +237,14 @@ class Ahead:
         self.h = torch.zeros((1, 1, hidden_size), dtype=dtype, device=device)
         self.prev = torch.full((1 + width,), -1, dtype=torch.long, device=device)
         self.stops = torch.full((STOPS,), -1, dtype=torch.long, device=device)
+        self.stop_ids: frozenset = frozenset()  # what self.stops holds
+
+    def set_stops(self, stop_ids: frozenset) -> None:
+        """The request's stop ids, copied only when they change (a copy from host memory waits for the GPU)."""
+        if stop_ids != self.stop_ids:
+            self.stops.fill_(-1)
+            self.stops[: len(stop_ids)] = torch.tensor(sorted(stop_ids), dtype=torch.long)
+            self.stop_ids = frozenset(stop_ids)
 
 
 class GraphRunner:
@@ -264,7 +267,7 @@ class GraphRunner:
             self.cycles.failure = "cycle graphs off (MTPCHAT_CYCLE_GRAPHS=0)"
         elif cycles != "1" and trunk.device.type == "cuda":
             self.cycles.failure = "cycle graphs off on CUDA until measured there (MTPCHAT_CYCLE_GRAPHS=1: on)"
-        self.ahead: Ahead | None = None
+        self.ahead = Ahead(max_width, trunk.config.hidden_size, trunk.dtype, trunk.device)
         self.turn = 0  # which of a width's two cycle graphs replayed last
         self.compile_failure: str | None = None
         if compile:
@@ -374,8 +377,6 @@ class GraphRunner:
         stash = caches.stash_for(max(self.steps.max_width, T), trunk)  # (start: may reallocate, re-capture)
         key = self.cycle_key(caches, drafter)
         graphs, width = self.cycles, self.steps.max_width  # (rows any cycle can keep: the previous may be wider)
-        if a is None or a.h.shape[-1] != trunk.config.hidden_size or a.h.dtype != trunk.dtype:
-            a = self.ahead = Ahead(width, trunk.config.hidden_size, trunk.dtype, trunk.device)
         state = caches.gdn
 
         def step(splits):  # (the committed position is a.pos: one for both graphs of a width, every width)
@@ -388,10 +389,10 @@ class GraphRunner:
             keep_first(state, stash, n, width, trunk.backends)
             pos.add_(n)
             a.last.copy_(torch.where(n > 0, targets.index_select(0, (n - 1).clamp(min=0).view(1)), a.last))
-            record(splits[0])
+            splits[0].record()
             drafts = drafter.chained(a.h, a.first, pos, T - 2) if T > 2 else a.first[:0]
             tokens = torch.cat([a.last.view(1), a.first, drafts]).view(1, T)
-            record(splits[1])
+            splits[1].record()
             hidden, logits, packed, first, h = self.verified(tokens, pos, caches, drafter, splits[2])
             a.prev[: 1 + T].copy_(packed[: 1 + T])
             a.first.copy_(first)
@@ -410,8 +411,7 @@ class GraphRunner:
             a.first.copy_(drafter.ready[0])
             a.h.copy_(drafter.ready[1])
             a.prev.fill_(-1)
-            a.stops.fill_(-1)
-            a.stops[: len(stops)] = torch.tensor(sorted(stops), dtype=torch.long)
+            a.set_stops(stops)
         turn = self.turn ^ 1 if start is None else 0
         if start is not None and ready(1)[0] is None:
             return None

@@ -23,27 +23,24 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(self.stream)
+        start, end = self.mark(), self.mark()
+        start.record(self.stream)
+        self.handed = []
+        try:
+            yield
+        finally:
+            end.record(self.stream)
+            marks = [start] + [e for e, _ in self.handed] + [end]
+            names = [name] + [later for _, later in self.handed]
             self.handed = []
-            try:
-                yield
-            finally:
-                end.record(self.stream)
-                names, marks = [name] + [later for _, later in self.handed], [start] + [e for e, _ in self.handed]
-                self.pending += list(zip(names, marks, marks[1:] + [end]))
-                self.handed = []
-        else:
-            t0 = time.perf_counter()
-            self.handed = []
-            try:
-                yield
-            finally:
-                names, marks = [name] + [later for _, later in self.handed], [t0] + [e.t for e, _ in self.handed]
-                for phase, a, b in zip(names, marks, marks[1:] + [time.perf_counter()]):
-                    self._add(self.recent, phase, (b - a) * 1e3)
-                self.handed = []
+            for phase, a, b in zip(names, marks, marks[1:]):
+                if self.cuda:  # (read later, without a host sync: collect)
+                    self.pending.append((phase, a, b))
+                else:
+                    self._add(self.recent, phase, (b.t - a.t) * 1e3)
+
+    def mark(self):
+        return torch.cuda.Event(enable_timing=True) if self.cuda else HostMark()
 
     def hand_over(self, event, name: str) -> None:
         """Inside phase(): from `event` on (a CUDA event, or a HostMark on the CPU, recorded inside a graph that
@@ -79,5 +76,5 @@ class HostMark:
 
     t = 0.0
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
         self.t = time.perf_counter()
