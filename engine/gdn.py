@@ -1,6 +1,7 @@
 """The Gated DeltaNet mixer at run time: prefill, verify with a stash, and the accepted-prefix replay.
 
-Prefill writes the committed state directly (chunked kernel). Verify (any width, depth 0 included) reads the
+Prefill writes the committed state directly (chunked kernel); a graph's prefill pass padded past the prompt
+(graphs.GraphRunner.prefill) makes its padding rows exact no-ops, so it needs no stash either. Verify (any width, depth 0 included) reads the
 committed state, writes nothing to it, and stashes the exact kernel inputs (q, k, v, g, beta after the short
 convolution) plus the conv-input window. commit(m) then rebuilds the state after m + 1 processed tokens by
 replaying the recurrence from the pre-verify state over the first m + 1 stashed rows — all GDN layers in one
@@ -86,15 +87,35 @@ def output(mixer, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return mixer.out_proj(y.reshape(shape[0], shape[1], -1))
 
 
-def prefill(mixer, x, conv, recurrent, backends) -> torch.Tensor:
-    """conv [C, K-1], recurrent [1, Hv, Dk, Dv]: this layer's committed state, written here."""
+def first_rows(n: torch.Tensor, width: int, *tensors) -> tuple:
+    """Kernel inputs [*, width, ...] with the rows from n on (n: a tensor on the device) zeroed: g = 0 (no decay),
+    beta = k = v = 0 (nothing added), so those rows leave the recurrent state exactly as it was, whatever they
+    held. Rows of a recurrence never depend on later rows: the rows below n are unchanged too."""
+    keep = torch.arange(width, device=n.device) < n
+    return tuple(torch.where(keep.view(width, *[1] * (t.dim() - 2)), t, 0) for t in tensors)
+
+
+def window_at(window: torch.Tensor, n: torch.Tensor, k1: int) -> torch.Tensor:
+    """The conv state after the first n tokens of a conv-input window [..., K-1 + T]: its columns n .. n+K-2."""
+    return window.index_select(-1, n + torch.arange(k1, device=n.device))
+
+
+def prefill(mixer, x, backends, conv, recurrent, real: torch.Tensor | None = None) -> torch.Tensor:
+    """conv [C, K-1], recurrent [1, Hv, Dk, Dv]: this layer's committed state, written here. real: a padded pass
+    (a prefill graph's): how many of its rows are the prompt's, a tensor on the device; the state is left where
+    those rows end (the padding's rows made no-ops: first_rows)."""
     T = x.shape[1]
     mixed, z, b, a = project(mixer, x)
     window = torch.cat([conv.unsqueeze(0), mixed.to(conv.dtype)], -1)
     qkv, g, beta = kernel_inputs(mixer, window, T, b, a)
+    if real is not None:
+        qkv, g, beta = first_rows(real, T, qkv, g, beta)
     kernel = backends.gdn_chunk if T > 1 else backends.gdn_recurrent
     core = kernel.update(qkv, g, beta, recurrent, heads(mixer))
-    store_conv_state(conv, window)
+    if real is None:
+        store_conv_state(conv, window)
+    else:
+        conv.copy_(window_at(window[0], real, conv.shape[-1]))
     return output(mixer, core, z)
 
 
@@ -111,10 +132,8 @@ def verify(mixer, x, conv, recurrent, backends, rows: tuple) -> torch.Tensor:
     q, k, v = split_qkv(qkv, heads(mixer))
     for buf, t in ((sq, q), (sk, k), (sv, v), (sg, g), (sbeta, beta)):
         buf[:T] = t[0]
-    # a prefill-width pass (graphs.GraphRunner.prefill) takes the chunked kernel: the recurrent one is sequential
-    # over tokens, 0.35 ms a layer at 224 tokens on the H200 (27B shape), 17 ms of a 200-token prompt
-    kernel = backends.gdn_chunk if T > SHORT_CONV_AS_PRODUCTS else backends.gdn_recurrent
-    core = kernel.verify(q, k, v, g, beta, recurrent, sfinal.unsqueeze(0))
+    # (verify widths are a few tokens, limits.MAX_DEPTH + 1 at most: the recurrent kernel; prefill takes the chunked)
+    core = backends.gdn_recurrent.verify(q, k, v, g, beta, recurrent, sfinal.unsqueeze(0))
     return output(mixer, core, z)
 
 
@@ -137,12 +156,9 @@ def keep_first(state: GDNState, stash: VerifyStash, n: torch.Tensor, width: int,
     commits without the host (graphs.GraphRunner.cycle): the recurrence replayed over the first `width` stashed
     rows, those from n on made no-ops (g = 0: no decay; beta = k = v = 0: nothing added, exactly, whatever the
     rows held), and the conv window that ends at token n."""
-    rows = torch.arange(width, device=n.device) < n
-    k, v = (torch.where(rows[None, :, None, None], t[:, :width], 0) for t in (stash.k, stash.v))
-    g, beta = (torch.where(rows[None, :, None], t[:, :width], 0) for t in (stash.g, stash.beta))
+    k, v, g, beta = first_rows(n, width, *(t[:, :width] for t in (stash.k, stash.v, stash.g, stash.beta)))
     backends.gdn_recurrent.update_rows(stash.q[:, :width], k, v, g, beta, state.recurrent)
-    window = stash.window.index_select(2, n + torch.arange(state.conv.shape[-1], device=n.device))
-    state.conv.copy_(torch.where(n > 0, window, state.conv))
+    state.conv.copy_(torch.where(n > 0, window_at(stash.window, n, state.conv.shape[-1]), state.conv))
 
 
 def commit(state: GDNState, stash: VerifyStash, m: int, backends, keep_rows=keep_rows) -> None:

@@ -476,29 +476,36 @@ class GraphRunner:
         return self.decodes.try_run(key, (tokens,), pos, step, "decode graph", warmup, fed=fed)
 
     def prefill(self, tokens: torch.Tensor, pos: int, caches):
-        """A short prefill of tokens [1, n] as a verify pass padded to the next of PREFILL_WIDTHS, from a graph per
-        width, then committed to its n real rows: the GDN recurrence replayed over them alone (gdn.commit), so the
-        padding never reaches the state, and its KV rows past n are dead. Returns the hiddens [1, n, H] (static:
-        read them before the next replay) with the caches advanced by n; None when too wide, an MoE model (its
-        wide MoE path is transformers' own, which syncs with the host), or not capturable: prefill eagerly."""
+        """A short prefill of tokens [1, n] padded to the next of PREFILL_WIDTHS, from a graph per width that writes
+        the state in place as the eager prefill does, except that the padding never reaches it: its GDN rows are
+        exact no-ops (gdn.prefill's `real`), its KV rows past n are dead, and a sliding-window ring keeps the rows
+        below n (settled from its graph record). No verify stash, so none as wide as the widest prompt stays
+        allocated (0.5 GB on the 27B shape), and no replay of the recurrence to commit. Returns the hiddens
+        [1, n, H] (static: read them before the next replay) with the caches advanced by n; None when too wide, an
+        MoE model (its wide MoE path is transformers' own, which syncs with the host), or not capturable: prefill
+        eagerly."""
         trunk, n = self.trunk, tokens.shape[1]
         width = next((w for w in PREFILL_WIDTHS if w >= n), None)
         if width is None or any(hasattr(layer.mlp, "experts") for layer in trunk.layers):
             return None
         caches.kv.reserve(width)
-        # the widest stash at once: the verify graphs, keyed by the stash, are not re-captured by a wider prefill
-        stash = caches.stash_for(PREFILL_WIDTHS[-1], trunk)
-        key = (caches.kv.serial, stash.serial, caches.gdn.serial)
+        state = caches.gdn
+        key = (caches.kv.serial, state.serial)
         padded = torch.nn.functional.pad(tokens, (0, width - n))  # (id 0: any vocabulary has it)
+        real = torch.full((), n, dtype=torch.long, device=trunk.device)  # (a fill on the device: no host copy)
 
-        def step(tokens, pos):
-            return trunk.forward(tokens, pos, caches, verify=True)
+        def step(tokens, real, pos):
+            return trunk.forward(tokens, pos, caches, verify=False, real=real)
 
-        hidden = self.prefills.try_run(key, (padded,), pos, step, "prefill graph")
+        def warmup(tokens, real, pos):
+            return put_back((state.conv, state.recurrent), lambda: step(tokens, real, pos))
+
+        hidden = self.prefills.try_run(key, (padded, real), pos, step, "prefill graph", warmup)
         if hidden is None:
             return None
-        stash.width = width
-        caches.commit(n - 1, trunk.backends)  # (eager: one kernel call; a graph per n would capture per prompt)
+        if caches.window is not None:
+            caches.window.settle(caches.processed + n)
+        caches.advance(n)
         return hidden[:, :n]
 
     @property

@@ -361,8 +361,8 @@ def block(trunk, layer, kind: str, h, pending, pos, cos, sin, state: tuple, rows
     before's MLP output, not yet added to its residual stream h (zeros before the first layer), and this layer's
     is returned the same way, (h, pending): the add happens where compiled code fuses it into the next layer's
     input norm (64 kernels fewer a step on the 27B shape), and it is the same add of the same operands, so eager
-    results do not change by a bit. state: this layer's cache views (KVCache.layer / GDNState.layer); rows: its
-    verify stash rows, None for prefill. No layer numbers inside, so torch.compile compiles it once per layer kind
+    results do not change by a bit. state: this layer's cache views (KVCache.layer / GDNState.layer; a GDN layer's
+    with a padded prefill's `real` after them: Trunk.forward); rows: its verify stash rows, None for prefill. No layer numbers inside, so torch.compile compiles it once per layer kind
     and reuses it for every layer."""
     h = h + pending
     x = layer.input_layernorm(h)
@@ -370,7 +370,7 @@ def block(trunk, layer, kind: str, h, pending, pos, cos, sin, state: tuple, rows
         if rows is not None:
             x = gdn.verify(layer.linear_attn, x, *state, trunk.backends, rows)
         else:
-            x = gdn.prefill(layer.linear_attn, x, *state, trunk.backends)
+            x = gdn.prefill(layer.linear_attn, x, trunk.backends, *state)
     else:  # full attention, or a sliding window (state: its ring, rotating_cache.RotatingKV.layer)
         x = attention(layer.self_attn, x, pos, cos, sin, *state, trunk.backends.decode_attention)
     h = h + trunk.reduce(x)
@@ -481,7 +481,7 @@ class Trunk:
         return self.compiled_block if self.compiled_block is not None and not isinstance(pos, int) else block
 
     def forward(self, tokens: torch.Tensor, pos: int, caches: "TrunkCaches", verify: bool, rope=None,
-                chain: int = 0) -> torch.Tensor:
+                chain: int = 0, real: torch.Tensor | None = None) -> torch.Tensor:
         """Run tokens [1, T] at positions pos..pos+T-1; return the hidden states after the final norm.
 
         verify=False (prefill) writes the GDN state; verify=True stashes for commit(m) and leaves it alone.
@@ -489,6 +489,9 @@ class Trunk:
         layers start from that pass's final state and stash their rows after its `chain` rows, so commit(m) keeps
         any prefix of the whole chain (one replay, as for one verify pass; draft_model.py). The stash must be wide
         enough already (stash_for before the chain's first step).
+        real (prefill): a padded pass (graphs.GraphRunner.prefill) whose first `real` rows (a tensor on the device)
+        are the prompt's: the GDN state is left after them (gdn.prefill), KV rows past them are dead, and a
+        sliding-window ring takes the pass as a speculative one, settled at them by the caller.
         """
         T = tokens.shape[1]
         if verify and self.graphs is not None and isinstance(pos, int):
@@ -500,12 +503,14 @@ class Trunk:
             raise RuntimeError(f"a chained step past the verify stash's {caches.stash.key[1]} rows")
         stash = caches.stash_for(chain + T, self) if verify else None
         if caches.window is not None:  # (pos: an int, or in graph mode the positions [T] on the device)
-            caches.window.begin(pos, T, speculative=verify, chained=chain > 0)
+            caches.window.begin(pos, T, speculative=verify or real is not None, chained=chain > 0)
         step = self.layer_step(pos)
         pending = torch.zeros_like(h)
         for layer, kind, slot in zip(self.layers, self.kinds, self.slots):
             if kind == "linear_attention":
                 state, rows = caches.gdn.layer(slot), stash.rows(slot) if stash is not None else None
+                if real is not None:
+                    state = (*state, real)
                 if chain:
                     state, rows = chained(stash, slot, chain, caches.dims["kernel"] - 1)
             elif kind == "sliding_attention":

@@ -56,15 +56,18 @@ def test_priming_in_chunks_leaves_the_head_where_priming_at_once_does(engines, m
 
 @pytest.mark.parametrize("words", [4, 40])
 def test_prefill_graphs_equal_eager_prefill(words, engines, ckpt):
-    """A short prompt is a padded verify pass replayed from a graph (a 32-wide bucket: the recurrent kernel; a
-    wider one: the chunked kernel), committed to its real rows: the same tokens as the eager prefill, at depth 0
-    and with MTP drafts, and a follow-up turn prefilled from a graph at an offset."""
+    """A short prompt is a padded pass replayed from a graph (a 32-wide bucket, or one wider than the recurrent
+    kernel's 64) that writes the state in place with its padding rows made no-ops: the same tokens as the eager
+    prefill, at depth 0 and with MTP drafts, and a follow-up turn prefilled from a graph at an offset. No verify
+    stash as wide as the bucket is left behind (at depth 0 none at all)."""
     eager = engines("next")
     graphs = load_engine(str(ckpt("next")), cuda_graphs=True)
     prompt = long_prompt(graphs, words)
     for depth in (0, 2):
         tokens, _, fin = decode(graphs, prompt, depth=depth, reuse=False)
         assert tokens == decode(eager, prompt, depth=0, reuse=False)[0]
+        stash = graphs.caches.stash
+        assert (stash is None) if depth == 0 else (stash.key[1] <= graphs.trunk.graphs.steps.max_width)
     turn = graphs.turns.history + long_prompt(graphs, 3)[1:]
     tokens, _, fin = decode(graphs, turn, depth=2)
     assert fin.stats["reused_tokens"] > 0

@@ -3,7 +3,7 @@ point, the blocks alive there grouped by the engine line that allocated them (is
 memory at a 32k context).
 
     python3 packaging/bench/memory_peak.py --random-weights qwen3.5-27b --quant int4 --prompt-tokens 32768 \
-        [--prefill-chunk auto,512] [--depth 0] [--compile] [--warm-depths 0,3] [--json OUT]
+        [--max-context N] [--prefill-chunk auto,512] [--depth 0] [--compile] [--warm-depths 0,3] [--json OUT]
 
 --warm-depths: short requests at these depths first, as a chat's earlier turns: their CUDA graphs (and compiled
 steps) stay alive, and the lines that allocated them count at the peak too.
@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from engine import Engine, Finished, GenerationSettings, random_model  # noqa: E402
 
+NEW_TOKENS = 8  # the long request's
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
@@ -57,10 +58,13 @@ def main():
     p.add_argument("--depth", type=int, default=0)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--warm-depths", default="", help="comma-separated depths of 32-token requests run first")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="the context limit (`--max-context`; default: the prompt and its 8 new tokens): the KV cache "
+                        "holds no more, where without one it keeps room ahead for the next turns (api.KV_AHEAD)")
     p.add_argument("--json")
     a = p.parse_args()
     engine = Engine(random_model(a.random_weights, None, "cuda", "bfloat16", quant=a.quant), None, set(),
-                    compile=a.compile or None)
+                    compile=a.compile or None, max_context=a.max_context or a.prompt_tokens + NEW_TOKENS)
     torch.cuda.synchronize()
     loaded = torch.cuda.memory_allocated()
     prompt = torch.randint(0, engine.trunk.config.vocab_size, (a.prompt_tokens,),
@@ -83,7 +87,7 @@ def one_request(engine, prompt, chunk, depth, loaded, warm_depths=()) -> dict:
         next(ev for ev in engine.generate(prompt[:32], turn) if isinstance(ev, Finished))
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    settings = GenerationSettings(max_new_tokens=8, depth=depth, ignore_eos=True, reuse=False, prefill_chunk=chunk)
+    settings = GenerationSettings(max_new_tokens=NEW_TOKENS, depth=depth, ignore_eos=True, reuse=False, prefill_chunk=chunk)
     fin = next(ev for ev in engine.generate(prompt, settings) if isinstance(ev, Finished))
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
