@@ -53,7 +53,7 @@
 #   bash packaging/bench/h200.sh where80  # kernels of one 80B-A3B slice step (bf16, --compile, the 16-bit Triton
 #                                         # linears); the demo model's cycles: wall vs GPU busy
 #   bash packaging/bench/h200.sh cycles   # the demo model with cycle graphs and without (MTPCHAT_CYCLE_GRAPHS=0);
-#                                         # GPU tests
+#                                         # GPU tests; with cycle graphs and --compile
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
 # the device's python3 has none of them.
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
@@ -294,6 +294,9 @@ cycles)  # issue #28: the demo model's cycles as one graph each, launched ahead 
           --repeat 3 --no-hf --out "$OUT/bench_demo_cycles_${way}_h200.json"
   done
   gpu_tests 150 "$OUT/gpu_tests.log" tests/test_gpu.py tests/test_host_embedding.py
+  # compiled layers inside the graphs: fewer kernel nodes a cycle on a model this small
+  MTPCHAT_CYCLE_GRAPHS=1 BENCH_TIMEOUT=150 bench --model engine/assets/demo --compile --depths 0,2,3,4 --drafter mtp \
+        --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_cycles_compile_h200.json"
   ;;
 suite)  # the test modules that load engines, on a CUDA host, four processes at once (each ${SUITE_LIMIT:-500} s at
   # most): unmarked tests must pass there as in CI (CPU, float32), gpu-marked ones on the GPU. Logs: $OUT/g*.log
