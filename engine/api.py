@@ -112,6 +112,8 @@ class TextStream:
 # shape, 64 KiB a position, 256 MiB
 KV_AHEAD = 4096
 
+MIN_PREFILL_CHUNK = 64  # the narrowest prefill chunks a prompt is retried in after running out of memory
+
 
 class Engine:
     def __init__(self, loaded: Loaded, tokenizer=None, stop_ids: set[int] = frozenset(), cuda_graphs: bool | None = None,
@@ -226,6 +228,21 @@ class Engine:
             return settings.prefill_chunk
         return 2048 if self.trunk.device.type == "cuda" else 512
 
+    def narrower_prefill(self, settings: GenerationSettings, error: BaseException, retried: bool) -> tuple:
+        """After running out of memory while prefilling: (the settings with chunks a quarter as wide, the fallback
+        that says so), with the cached memory freed; EngineError (one line) if these were the narrower ones
+        (retried) or as narrow as chunks go."""
+        chunk = self.prefill_chunk(settings)
+        narrower = max(MIN_PREFILL_CHUNK, chunk // 4)
+        first = str(error).splitlines()[0][:160] if str(error) else type(error).__name__
+        if retried or narrower >= chunk:
+            raise EngineError(f"out of memory while prefilling the prompt in {chunk}-token chunks: {first}") from None
+        if self.trunk.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return replace(settings, prefill_chunk=narrower), Fallback(
+            "memory", f"out of memory prefilling the prompt in {chunk}-token chunks: freed cached memory, prefilled "
+                      f"it again from its start in {narrower}-token chunks")
+
     def attach_draft(self, path: str | None, choice: str | None = None) -> None:
         """Use the model at `path` as the drafter (draft_model.py; EngineError, one line, when it cannot draft
         for this model). choice: "mtp", "draft" or "auto" (each cycle the one expected to be faster,
@@ -324,8 +341,18 @@ class Engine:
         chooser, chosen = DepthChooser(AUTO_MAX_DEPTH, mean_first=True, cost=costs), {}
         with torch.inference_mode():
             try:
-                self.start_from(start, snap, drafter, len(prompt_ids) + settings.max_new_tokens)
-                logits = self.prompt_logits(req, prompt_ids, start, snap, drafter, parts, settings, timer)
+                logits, retried = None, False
+                while logits is None:
+                    self.start_from(start, snap, drafter, len(prompt_ids) + settings.max_new_tokens)
+                    try:
+                        logits = self.prompt_logits(req, prompt_ids, start, snap, drafter, parts, settings, timer)
+                    except torch.OutOfMemoryError as e:
+                        # the chunk that ran out may have written part of the state in place: the prompt again
+                        # from its start, in narrower chunks (their activations a quarter), once
+                        settings, note = self.narrower_prefill(settings, e, retried)
+                        fallbacks.append(note)
+                        yield note
+                        start, snap, retried = 0, None, True
                 first_id = take_first(req, logits, timer)
                 timer.collect()
                 ttft = (time.perf_counter() - t0) * 1e3

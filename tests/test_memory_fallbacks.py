@@ -1,5 +1,7 @@
 """Out-of-memory fallbacks: at load the next candidate is tried; while decoding the depth is lowered once."""
 
+from dataclasses import replace
+
 import pytest
 from fixtures import oom, oom_on_the_second_verify
 
@@ -69,6 +71,57 @@ def test_oom_while_decoding_lowers_depth_once_then_errors(engines, monkeypatch):
     with pytest.raises(EngineError, match="out of memory while decoding"):
         for _ in engine.generate(prompt, settings):
             pass
+
+
+def oom_on_prefill_wider_than(forward, width: int):
+    """forward, except that a prefill pass (verify=False) of more than `width` tokens runs out of memory."""
+    def flaky(tokens, pos, caches, verify, *a, **k):
+        if not verify and tokens.shape[1] > width:
+            oom()
+        return forward(tokens, pos, caches, verify, *a, **k)
+
+    return flaky
+
+
+def tokens_of(events) -> list[int]:
+    return [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+
+
+def test_oom_while_prefilling_retries_the_prompt_from_its_start_in_narrower_chunks_once(engines, monkeypatch):
+    """A prefill chunk that runs out of memory may have written part of the state in place: the prompt is
+    prefilled again from its start (a reused prefix too) in chunks a quarter as wide, with the fallback said, and
+    the reply is the one without the failure; when those run out too, one clear error, and the next request is
+    exact."""
+    engine = engines("next")
+    words = " ".join(f"cat{i % 13} sun{i % 7}" for i in range(40))
+    prompt = engine.encode_chat([{"role": "user", "content": f"Summarise: {words}"}])
+    settings = GenerationSettings(max_new_tokens=16, depth=2, ignore_eos=True, prefill_chunk=128, reuse=False)
+    assert len(prompt) > 128
+    plain = tokens_of(engine.generate(prompt, settings))
+    forward = engine.trunk.forward
+    monkeypatch.setattr(engine.trunk, "forward", oom_on_prefill_wider_than(forward, 64))
+    events = list(engine.generate(prompt, settings))
+    notes = [e for e in events if isinstance(e, Fallback)]
+    assert tokens_of(events) == plain
+    assert len(notes) == 1 and "in 128-token chunks" in notes[0].reason and "in 64-token chunks" in notes[0].reason
+    assert events[-1].stats["prefilled_tokens"] == len(prompt)
+
+    # a follow-up turn that reuses the first one's state: prefilled again from zero, the same tokens
+    monkeypatch.setattr(engine.trunk, "forward", forward)
+    list(engine.generate(prompt, replace(settings, reuse=True)))
+    turn = engine.turns.history + engine.encode_chat([{"role": "user", "content": f"Again: {words}"}])[1:]
+    monkeypatch.setattr(engine.trunk, "forward", oom_on_prefill_wider_than(forward, 64))
+    events = list(engine.generate(turn, replace(settings, reuse=True)))
+    assert events[-1].stats["reused_tokens"] == 0 and any(isinstance(e, Fallback) for e in events)
+    monkeypatch.setattr(engine.trunk, "forward", forward)
+    assert tokens_of(events) == tokens_of(engine.generate(turn, settings))  # (reuse=False: from zero)
+
+    monkeypatch.setattr(engine.trunk, "forward", oom_on_prefill_wider_than(forward, 0))
+    with pytest.raises(EngineError, match="out of memory while prefilling the prompt in 64-token chunks"):
+        for _ in engine.generate(prompt, settings):
+            pass
+    monkeypatch.setattr(engine.trunk, "forward", forward)
+    assert tokens_of(engine.generate(prompt, settings)) == plain
 
 
 def test_oom_after_an_in_place_decoding_step_is_not_retried(ckpt, engines, monkeypatch):
