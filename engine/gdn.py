@@ -1,12 +1,12 @@
 """The Gated DeltaNet mixer at run time: prefill, verify with a stash, and the accepted-prefix replay.
 
 Prefill writes the committed state directly (chunked kernel); a graph's prefill pass padded past the prompt
-(graphs.GraphRunner.prefill) makes its padding rows exact no-ops, so it needs no stash either. Verify (any width, depth 0 included) reads the
-committed state, writes nothing to it, and stashes the exact kernel inputs (q, k, v, g, beta after the short
-convolution) plus the conv-input window. commit(m) then rebuilds the state after m + 1 processed tokens by
-replaying the recurrence from the pre-verify state over the first m + 1 stashed rows — all GDN layers in one
-batched kernel call — and slices the conv window. Rows of a recurrence never depend on later rows, so the
-result is independent of the rejected tail, bit for bit.
+(graphs.GraphRunner.prefill) makes its padding rows exact no-ops, so it needs no stash either. Verify (any width,
+depth 0 included) reads the committed state, writes nothing to it, and stashes the exact kernel inputs (q, k, v,
+g, beta after the short convolution) plus the conv-input window. commit(m) then rebuilds the state after m + 1
+processed tokens by replaying the recurrence from the pre-verify state over the first m + 1 stashed rows — all
+GDN layers in one batched kernel call — and slices the conv window. Rows of a recurrence never depend on later
+rows, so the result is independent of the rejected tail, bit for bit.
 """
 
 from __future__ import annotations

@@ -362,8 +362,8 @@ def block(trunk, layer, kind: str, h, pending, pos, cos, sin, state: tuple, rows
     is returned the same way, (h, pending): the add happens where compiled code fuses it into the next layer's
     input norm (64 kernels fewer a step on the 27B shape), and it is the same add of the same operands, so eager
     results do not change by a bit. state: this layer's cache views (KVCache.layer / GDNState.layer; a GDN layer's
-    with a padded prefill's `real` after them: Trunk.forward); rows: its verify stash rows, None for prefill. No layer numbers inside, so torch.compile compiles it once per layer kind
-    and reuses it for every layer."""
+    with a padded prefill's `real` after them: Trunk.forward); rows: its verify stash rows, None for prefill. No
+    layer numbers inside, so torch.compile compiles it once per layer kind and reuses it for every layer."""
     h = h + pending
     x = layer.input_layernorm(h)
     if kind == "linear_attention":
