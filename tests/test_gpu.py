@@ -121,8 +121,8 @@ def test_fused_prefill_attention_matches_the_masked_reference_in_bf16():
 @pytest.mark.parametrize("words", [30, 150])
 def test_long_and_graph_prefills_equal_the_cpu_in_float32(words, ckpt):
     """A prompt over several prefill chunks (flash attention at an offset, FLA's chunked kernel) and a short one
-    replayed from a prefill graph (padded, committed to its real rows): greedy texts equal the CPU's, and the
-    MTP depths equal plain."""
+    replayed from a prefill graph (padded, the padding's GDN rows made no-ops: FLA's chunked kernel inside the
+    graph): greedy texts equal the CPU's, and the MTP depths equal plain."""
     cpu = load_engine(str(ckpt("next")), device="cpu")
     graphs = load_engine(str(ckpt("next")), device="cuda", dtype="float32", cuda_graphs=True)
     text = " ".join(f"cat{i % 17} sun{i % 5}" for i in range(words))
