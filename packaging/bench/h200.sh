@@ -25,7 +25,8 @@
 #   bash packaging/bench/h200.sh quant    # GPU tests; 27B shape Int4 --compile; FP8 and bf16 prefill of 8k prompt tokens
 #   bash packaging/bench/h200.sh moe4     # the 4-bit routed-expert kernels' GPU tests; 80B-A3B 12-layer slice in Int4
 #   bash packaging/bench/h200.sh int4rows # the CUDA-core W4A16 form per call; GPU tests; 27B shape Int4 --compile
-#   bash packaging/bench/h200.sh memory   # what holds the 27B shape's Int4 memory at a 32k prompt's peak
+#   bash packaging/bench/h200.sh memory   # what holds the 27B shape's Int4 memory at a 32k prompt's peak (a 32k
+#                                         # --max-context); FLA's chunked prefill kernel whole or in slices
 #   bash packaging/bench/h200.sh gdn      # the GDN recurrent kernel's launch configurations per call (gdn_ops.py)
 #   bash packaging/bench/h200.sh moe      # the routed-expert kernels' configurations per call (moe_configs.py),
 #                                         # their GPU tests; the whole 80B-A3B shape in FP8, compiled
@@ -245,9 +246,11 @@ memory)  # issue #29 (about 8 minutes): the GPU tests of the quantized paths and
   # shape's Int4 memory at a 32k prompt's peak after a chat's short turns at depths 0 and 3 (--compile)
   gpu_tests ${TEST_LIMIT:-200} "$OUT/gpu_tests.log" tests/test_gpu.py tests/test_int4.py tests/test_fp8.py \
         tests/test_fp8_triton.py tests/test_fp8_moe.py tests/test_host_embedding.py
-  timeout 330 python3 packaging/bench/memory_peak.py --random-weights qwen3.5-27b --quant int4 --prompt-tokens 32768 \
-        --compile --warm-depths 0,3 --prefill-chunk auto,512 --json "$OUT/memory_peak_int4_32k_h200.json" 2>&1 \
-        | grep -v Warn | tail -50
+  # FLA's chunked kernel over a 2,048-token chunk at once or in slices: time and intermediates (the 32k peak's next
+  # block after the stash)
+  timeout 60 python3 packaging/bench/gdn_prefill_split.py --json "$OUT/gdn_prefill_split_h200.json" 2>&1 | tail -5
+  timeout 300 python3 packaging/bench/memory_peak.py --random-weights qwen3.5-27b --quant int4 --prompt-tokens 32768 \
+        --compile --warm-depths 0,3 --json "$OUT/memory_peak_int4_32k_h200.json" 2>&1 | grep -v Warn | tail -30
   ;;
 gdn)
   timeout 60 python3 packaging/bench/gdn_ops.py --json "$OUT/gdn_ops_h200.json" 2>&1 | grep -E "^B |Error"
