@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.events import Tokens
 from engine.fp8 import NOT_CONVERTED as FP8_NOT_CONVERTED
 from engine.fp8 import eligible as fp8_eligible
 
@@ -449,6 +450,11 @@ def to_hf_cache(src: Path, cache: Path, repo_id: str, rev: str = "a" * 40) -> Pa
     (repo / "refs" / "main").write_text(rev)
     shutil.rmtree(src)
     return snap
+
+
+def tokens_of(events) -> list[int]:
+    """The token ids a request's events handed out, in order."""
+    return [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
 
 
 def oom(*a, **k):

@@ -14,6 +14,7 @@ from engine import DecodeControl, GenerationSettings, load_engine
 from engine.drafters import OracleDrafter
 from engine.errors import EngineError
 from engine.events import Cycle, Finished, Tokens
+from fixtures import tokens_of
 from test_exactness import decode
 
 
@@ -23,10 +24,6 @@ def run(engine, prompt, depth, drafter=None, n=24):
 
 
 DEMO = str(Path(engine.__file__).parent / "assets" / "demo")
-
-
-def tokens_of(events) -> list[int]:
-    return [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
 
 
 def stopped_after(engine, prompt, settings: GenerationSettings, n: int):

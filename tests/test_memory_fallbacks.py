@@ -3,7 +3,7 @@
 from dataclasses import replace
 
 import pytest
-from fixtures import oom, oom_on_the_second_verify
+from fixtures import oom, oom_on_the_second_verify, tokens_of
 
 import engine.api as api
 from engine import GenerationSettings
@@ -57,11 +57,10 @@ def test_oom_while_decoding_lowers_depth_once_then_errors(engines, monkeypatch):
     engine = engines("next")
     prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     settings = GenerationSettings(max_new_tokens=20, depth=4, ignore_eos=True)
-    plain = [t for e in engine.generate(prompt, GenerationSettings(max_new_tokens=20, depth=0, ignore_eos=True))
-             if isinstance(e, Tokens) for t in e.token_ids]
+    plain = tokens_of(engine.generate(prompt, GenerationSettings(max_new_tokens=20, depth=0, ignore_eos=True)))
     monkeypatch.setattr(engine.trunk, "forward", oom_on_the_second_verify(engine.trunk.forward))
     events = list(engine.generate(prompt, settings))
-    out = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+    out = tokens_of(events)
     notes = [e for e in events if isinstance(e, Fallback)]
     assert out == plain  # decoding went on from the last committed state
     assert len(notes) == 1 and "depth lowered to 2" in notes[0].reason
@@ -81,10 +80,6 @@ def oom_on_prefill_wider_than(forward, width: int):
         return forward(tokens, pos, caches, verify, *a, **k)
 
     return flaky
-
-
-def tokens_of(events) -> list[int]:
-    return [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
 
 
 def test_oom_while_prefilling_retries_the_prompt_from_its_start_in_narrower_chunks_once(engines, monkeypatch):
@@ -133,7 +128,7 @@ def test_oom_after_an_in_place_decoding_step_is_not_retried(ckpt, engines, monke
     engine = load_engine(str(ckpt("next")), cuda_graphs=True)  # on the CPU a re-run stands in for each graph
     prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     settings = GenerationSettings(max_new_tokens=12, depth=0, ignore_eos=True)
-    plain = [t for e in engines("next").generate(prompt, settings) if isinstance(e, Tokens) for t in e.token_ids]
+    plain = tokens_of(engines("next").generate(prompt, settings))
     calls = {"n": 0}
     keep = engine.mtp_drafter.keep
 
@@ -149,7 +144,7 @@ def test_oom_after_an_in_place_decoding_step_is_not_retried(ckpt, engines, monke
             pass
     assert engine.caches.processed == 0  # dropped, cleanly
     monkeypatch.setattr(engine.mtp_drafter, "keep", keep)
-    out = [t for e in engine.generate(prompt, settings) if isinstance(e, Tokens) for t in e.token_ids]
+    out = tokens_of(engine.generate(prompt, settings))
     assert out == plain and engine.diagnostics()["compile"]["cuda_graphs"]["decode"]["replays"]["1"] > 5
 
 
