@@ -46,6 +46,10 @@ def _fp8(n, k, device, seed=0):
     # one row, runs of BLOCK_K columns: whole tiles with K in two slices, and partial edge tiles in N and K
     (256, 1024, 1, ("stream", (16, 2, 4, 3, 256))),
     (200, 300, 1, ("stream", (8, 1 << 20, 4, 3, 512))),
+    # the same with the next tile loaded ahead: in slices of two, of one, and unsplit over partial edge tiles
+    (256, 1024, 1, ("stream_ahead", (16, 2, 4, 3, 256))),
+    (256, 1024, 1, ("stream_ahead", (16, 1, 4, 3, 256))),
+    (200, 300, 1, ("stream_ahead", (8, 1 << 20, 4, 3, 128))),
 ])
 def test_the_kernel_equals_the_dequantized_matmul(triton_device, n, k, rows, config):
     from engine import fp8_triton

@@ -53,6 +53,8 @@
 #                                         # slice in bf16, --compile
 #   bash packaging/bench/h200.sh where80  # kernels of one 80B-A3B slice step (bf16, --compile, the 16-bit Triton
 #                                         # linears); the demo model's cycles: wall vs GPU busy
+#   bash packaging/bench/h200.sh ahead    # the Int4 row form and the FP8 stream form loading their next block ahead
+#   bash packaging/bench/h200.sh ahead27b # the 27B shape in Int4 and FP8, --compile, those forms among the timed ones
 #   bash packaging/bench/h200.sh cycles   # the demo model with cycle graphs and without (MTPCHAT_CYCLE_GRAPHS=0);
 #                                         # GPU tests; with cycle graphs and --compile
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
@@ -241,6 +243,17 @@ int4rows)  # issue #29 (about 8 minutes): the CUDA-core W4A16 form per call agai
   BENCH_TIMEOUT=${BENCH_TIMEOUT:-400} bench --random-weights qwen3.5-27b --quant int4 --compile --prompt-tokens 32,32768 \
         --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
         --out "$OUT/bench27b_int4_row_h200.json"
+  ;;
+ahead)  # issues #29 / #23 (about 2 minutes): the Int4 row form and the FP8 stream form with their next block
+  # loaded ahead, per call at one row
+  timeout ${KERNEL_LIMIT:-150} python3 packaging/bench/quant_kernels.py --quant int4,fp8 --rows 1 \
+        --json "$OUT/quant_kernels_ahead_h200.json" 2>&1 | grep -E "rows [0-9]+:|Error" | tee "$OUT/quant_kernels_ahead.txt"
+  ;;
+ahead27b)  # issues #29 / #23 (about 8 minutes): the 27B shape in Int4 and in FP8, --compile, with the forms above
+  for q in int4 fp8; do
+    BENCH_TIMEOUT=260 bench --random-weights qwen3.5-27b --quant $q --compile --depths 0,3 --drafter oracle \
+          --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_${q}_ahead_h200.json"
+  done
   ;;
 memory)  # issue #29 (about 8 minutes): the GPU tests of the quantized paths and the graphs; what holds the 27B
   # shape's Int4 memory at a 32k prompt's peak after a chat's short turns at depths 0 and 3 (--compile)
