@@ -284,6 +284,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: keep the input embedding table (2.5 GB for 27B) in page-locked host memory, read over "
                         "PCIe for the step's few tokens, not in GPU memory; auto (the default): for quantized "
                         "checkpoints and models over 60 percent of the GPU. Also MTPCHAT_EMBED_ON_HOST")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"],
+                   help="the attention KV cache's storage: auto (the model's dtype) or fp8 (e4m3, a scale per head "
+                        "and position: half a 16-bit cache's memory, so twice the context; lossy: replies can "
+                        "differ from auto's, speculation stays exact). Also MTPCHAT_KV_CACHE_DTYPE")
     p.add_argument("--mtp-from", metavar="PATH",
                    help="take the MTP head (mtp.* tensors, bf16, FP8 or 4-bit) from another release of the same model, "
                         "for a checkpoint shipped without one; shapes must match. Also MTPCHAT_MTP_FROM")
@@ -481,6 +485,8 @@ def _main(argv: list[str] | None) -> int:
         os.environ["MTPCHAT_MTP_FROM"] = args.mtp_from
     if getattr(args, "embed_on_host", None):  # (load_engine and model.load read it: a draft model's load too)
         os.environ["MTPCHAT_EMBED_ON_HOST"] = args.embed_on_host
+    if getattr(args, "kv_cache_dtype", None):  # (every trunk reads it as it is built: model.choose_kv_cache)
+        os.environ["MTPCHAT_KV_CACHE_DTYPE"] = args.kv_cache_dtype
     if args.command in (None, "chat"):  # the chat's engine thread: load_engine reads them (--draft-model)
         for flag, var in (("draft_model", "MTPCHAT_DRAFT_MODEL"), ("drafter", "MTPCHAT_DRAFTER")):
             if getattr(args, flag, None):

@@ -125,8 +125,8 @@ class Engine:
         self.context = context_info(loaded.trunk.config, loaded.mtp_layers)
         self.max_context = max_context
         self.context_limit = context_limit(self.context.max_position_embeddings, max_context)
-        dtype_bytes = torch.empty((), dtype=loaded.trunk.dtype).element_size()
-        self.kv_bytes_per_token = self.context.kv_bytes_per_token(dtype_bytes)
+        self.kv_bytes_per_token = self.context.kv_bytes_per_token(str(loaded.trunk.dtype).replace("torch.", ""),
+                                                                  loaded.trunk.backends.kv_cache)
         self.thinking = thinking_info(tokenizer) if tokenizer is not None else ThinkingInfo(False, "no tokenizer", None)
         self.caches = self.trunk.new_caches()
         self.mtp_drafter = MTPDrafter(loaded.mtp) if loaded.mtp is not None else None
@@ -296,10 +296,11 @@ class Engine:
         """How many positions the KV caches hold for a request that may reach position `end`. The masked graph-mode
         attention reads the whole capacity (on the H200, 27B shape, 8k positions of spare capacity cost a 200-token
         prompt 12 ms), so it gets no more than `end`; the split-K kernel, which serves caches over
-        TRITON_MIN_CAPACITY positions, reads only the filled length, so there the next turns get KV_AHEAD positions
-        of room too (up to the context limit) and do not re-capture the CUDA graphs (about 400 ms on the 27B
-        shape) whenever the cache grows."""
-        if self.trunk.backends.decode_attention != "triton" or end + KV_AHEAD <= TRITON_MIN_CAPACITY:
+        TRITON_MIN_CAPACITY positions (an fp8 cache's at every capacity), reads only the filled length, so there the
+        next turns get KV_AHEAD positions of room too (up to the context limit) and do not re-capture the CUDA
+        graphs (about 400 ms on the 27B shape) whenever the cache grows."""
+        b = self.trunk.backends
+        if b.decode_attention != "triton" or (b.kv_cache != "fp8" and end + KV_AHEAD <= TRITON_MIN_CAPACITY):
             return end
         ahead = end + KV_AHEAD
         return ahead if self.context_limit is None else max(end, min(ahead, self.context_limit + 16))

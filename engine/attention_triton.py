@@ -31,8 +31,12 @@ if triton is not None:
     from .splitk import after_previous
 
     @triton.jit
-    def _splits(Q, K, V, POS, M, L, ACC, R, T, SPLIT, S, stride_kh, scale,
-                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
+    def _splits(Q, K, V, KS, VS, POS, M, L, ACC, R, T, SPLIT, S, stride_kh, stride_sh, scale,
+                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr = False,
+                PDL: tl.constexpr = False):
+        """FP8: K and V hold e4m3 codes with float32 scales KS, VS per (kv head, position) (cache.quantize_kv).
+        Codes convert to q's dtype exactly; a key's scale multiplies its score column, a value's scale the
+        probability that weighs it (the same products, regrouped: no dequantized tile)."""
         after_previous(PDL)
         h, s, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -48,14 +52,18 @@ if triton is not None:
             n = n0 + tl.arange(0, BLOCK_N)
             inside = n < end
             k = tl.load(K + h * stride_kh + n[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale
+            scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+            if FP8:
+                scores *= tl.load(KS + h * stride_sh + n, mask=inside, other=0.0)[None, :]
             scores = tl.where((n[None, :] <= pos[:, None]) & inside[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
             v = tl.load(V + h * stride_kh + n[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l = l * alpha + tl.sum(p, 1)
+            if FP8:
+                p *= tl.load(VS + h * stride_sh + n, mask=inside, other=0.0)[None, :]
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m = m_new
         at = (h * S + s) * R + rows
         tl.store(M + at, m, mask=live)
@@ -90,9 +98,11 @@ def plan(rows: int, n: int, head_dim: int) -> tuple[int, int, int]:
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-              scale: float) -> torch.Tensor:
+              scale: float, key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """q [1, H, T, D] over keys / values [1, Hkv, N, D] (the whole capacity); query t sees keys 0..positions[t]
-    (positions [T], on the device, increasing). Returns [1, H, T, D] in q's dtype."""
+    (positions [T], on the device, increasing). Returns [1, H, T, D] in q's dtype. An fp8 cache: keys / values
+    are its e4m3 codes, key_scales / value_scales [1, Hkv, N] their scales."""
     _, H, T, D = q.shape
     hkv, n = keys.shape[1], keys.shape[2]
     rows = (H // hkv) * T
@@ -102,9 +112,11 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positio
     m = torch.empty(hkv, splits, rows, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(hkv, splits, rows, D, device=q.device, dtype=torch.float32)
+    fp8 = key_scales is not None
     _splits[(hkv, splits, triton.cdiv(rows, block_r))](
-        qr, keys, values, positions, m, l, acc, rows, T, split, splits, keys.stride(1), scale,
-        BLOCK_R=block_r, BLOCK_N=block_n, D=D, num_warps=4, num_stages=STAGES, **pdl(qr))
+        qr, keys, values, key_scales if fp8 else m, value_scales if fp8 else m, positions, m, l, acc, rows, T,
+        split, splits, keys.stride(1), key_scales.stride(1) if fp8 else 0, scale,
+        BLOCK_R=block_r, BLOCK_N=block_n, D=D, FP8=fp8, num_warps=4, num_stages=STAGES, **pdl(qr))
     w = torch.exp(m - m.amax(1, keepdim=True))  # splits past the filled length weigh exp(NEG - max) = 0
     out = (acc * w[..., None]).sum(1) / (l * w).sum(1)[..., None]
     return out.to(q.dtype).reshape(1, H, T, D)
@@ -112,19 +124,23 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positio
 
 @torch.library.custom_op("mtpchat::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, key_scales: torch.Tensor | None = None,
+                        value_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The compile boundary (torch.compile traces around it; CUDA graphs capture the launch)."""
-    return attention(q, keys, values, positions, scale)
+    return attention(q, keys, values, positions, scale, key_scales, value_scales)
 
 
 @decode_attention_op.register_fake
-def _(q, keys, values, positions, scale):
+def _(q, keys, values, positions, scale, key_scales=None, value_scales=None):
     return torch.empty_like(q)
 
 
-def self_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> float:
+def self_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+               fp8: bool = False) -> float:
     """Relative error against masked_decode_attention on random inputs: a verify width at an offset inside a
-    capacity that is mostly empty (the case the kernel exists for)."""
+    capacity that is mostly empty (the case the kernel exists for). fp8: over an fp8 cache's codes and scales,
+    against the masked form over their dequantized values."""
+    from .cache import dequantize_kv, quantize_kv
     from .kernels import relative_error
     from .model import masked_decode_attention
 
@@ -135,4 +151,8 @@ def self_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: i
     positions = torch.arange(300, 300 + T, device=device)
     future = torch.arange(n, device=device)[None, :] > positions[:, None]
     scale = head_dim ** -0.5
-    return relative_error(attention(q, k, v, positions, scale), masked_decode_attention(q, k, v, future, scale))
+    if not fp8:
+        return relative_error(attention(q, k, v, positions, scale), masked_decode_attention(q, k, v, future, scale))
+    (kc, ks), (vc, vs) = quantize_kv(k), quantize_kv(v)
+    ref = masked_decode_attention(q, dequantize_kv((kc, ks), dtype), dequantize_kv((vc, vs), dtype), future, scale)
+    return relative_error(attention(q, kc, vc, positions, scale, ks, vs), ref)

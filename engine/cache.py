@@ -1,6 +1,9 @@
 """The engine's caches and the speculative transaction over them.
 
-Attention KV is preallocated and grows in whole chunks; trimming is setting a length. GDN state (the short-conv
+Attention KV is preallocated and grows in whole chunks; trimming is setting a length. With --kv-cache-dtype fp8
+it is stored in float8 e4m3 with a float32 scale per (head, position) (quantize_kv): half the memory of 16-bit,
+lossy (the text can differ from the 16-bit cache's), the same for every pass width, so speculation stays exact
+against plain decoding with the same cache. GDN state (the short-conv
 window and the recurrent state) cannot be trimmed, so a verify pass never writes it: it stashes the exact kernel
 inputs, and commit(m) replays the accepted prefix from the untouched pre-verify state (see gdn.py).
 """
@@ -28,16 +31,52 @@ RESERVE_CHUNK = 256  # KV grows in whole chunks so a verify pass never reallocat
 GROWTH = 1.25
 
 
-class KVCache:
-    """Keys and values of every full-attention layer: [layers, kv_heads, capacity, head_dim], batch 1."""
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, chunk: int = RESERVE_CHUNK):
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> e4m3 codes [..., D] and float32 scales [...]: each vector's largest magnitude maps to 448, so
+    nothing saturates and every vector keeps e4m3's 3-bit relative precision whatever its size."""
+    scale = x.float().abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+    return (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes as the bytes they are (zeros, copies and index_put exist for uint8 on every device and torch
+    version; for float8 not everywhere); any other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def dequantize_kv(pair, dtype) -> torch.Tensor:
+    """(codes, scales) -> the vectors in dtype; a 16-bit (or float32) cache tensor passes through."""
+    if not isinstance(pair, tuple):
+        return pair
+    codes, scale = pair
+    return (codes.float() * scale[..., None]).to(dtype)
+
+
+class KVCache:
+    """Keys and values of every full-attention layer: [layers, kv_heads, capacity, head_dim], batch 1. fp8: e4m3
+    codes with float32 scales [layers, kv_heads, capacity] (quantize_kv)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, chunk: int = RESERVE_CHUNK,
+                 fp8: bool = False):
         self.shape = (layers, kv_heads, 0, head_dim)
-        self.dtype, self.device, self.chunk = dtype, device, chunk
-        self.k = torch.zeros(self.shape, dtype=dtype, device=device)
-        self.v = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.dtype, self.device, self.chunk, self.fp8 = dtype, device, chunk, fp8
+        self.k, self.v, self.k_scale, self.v_scale = self._buffers(0)
         self.length = 0
         self.serial = new_serial()
+
+    def _buffers(self, capacity: int):
+        """Zeros, not empty: graph-mode attention reads the whole capacity under a mask, and 0 * NaN is NaN."""
+        L, H, _, D = self.shape
+        if not self.fp8:
+            k = torch.zeros((L, H, capacity, D), dtype=self.dtype, device=self.device)
+            return k, torch.zeros_like(k), None, None
+        k = torch.zeros((L, H, capacity, D), dtype=torch.uint8, device=self.device)  # (as_bytes: why bytes)
+        scale = torch.zeros((L, H, capacity), device=self.device)
+        return k.view(FP8), torch.zeros_like(k).view(FP8), scale, torch.zeros_like(scale)
 
     @property
     def capacity(self) -> int:
@@ -50,39 +89,57 @@ class KVCache:
         if need <= self.capacity:
             return
         cap = -(-max(need, int(self.capacity * GROWTH)) // self.chunk) * self.chunk
-        L, H, _, D = self.shape
-        # zeros, not empty: graph-mode attention reads the whole capacity under a mask, and 0 * NaN is NaN
-        k = torch.zeros((L, H, cap, D), dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
-        k[:, :, : self.length] = self.k[:, :, : self.length]
-        v[:, :, : self.length] = self.v[:, :, : self.length]
-        self.k, self.v = k, v
+        new = self._buffers(cap)
+        for old, buf in zip((self.k, self.v, self.k_scale, self.v_scale), new):
+            if buf is not None:
+                as_bytes(buf)[:, :, : self.length] = as_bytes(old)[:, :, : self.length]
+        self.k, self.v, self.k_scale, self.v_scale = new
         self.serial = new_serial()
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, i: int):
         """Layer i's keys and values [H, capacity, D]: views, so the layer code never indexes by layer number
-        (a compiled layer then serves every layer of its kind; see graphs.compile_block)."""
+        (a compiled layer then serves every layer of its kind; see graphs.compile_block). fp8: (codes, scales)
+        pairs of views."""
+        if self.fp8:
+            return (self.k[i], self.k_scale[i]), (self.v[i], self.v_scale[i])
         return self.k[i], self.v[i]
 
     def trim(self, length: int) -> None:
         self.length = length
 
 
+def _store(cache, at, x: torch.Tensor):
+    """x [1, H, T, D] into one layer's keys or values at `at` (a slice or device-side positions); returns the
+    cache's views with a batch dimension: [1, H, N, D], or fp8 ([1, H, N, D] codes, [1, H, N] scales)."""
+    if isinstance(cache, tuple):
+        codes, scales = cache
+        c, scales[:, at] = quantize_kv(x[0])
+        as_bytes(codes)[:, at] = as_bytes(c)
+        return codes.unsqueeze(0), scales.unsqueeze(0)
+    cache[:, at] = x[0]
+    return cache.unsqueeze(0)
+
+
 def kv_write(keys, values, pos: int, k: torch.Tensor, v: torch.Tensor):
-    """Store k, v [1, H, T, D] at positions pos..pos+T-1 of one layer's cache; return views of everything up to them."""
-    T = k.shape[2]
-    keys[:, pos : pos + T] = k[0]
-    values[:, pos : pos + T] = v[0]
-    return keys[:, : pos + T].unsqueeze(0), values[:, : pos + T].unsqueeze(0)
+    """Store k, v [1, H, T, D] at positions pos..pos+T-1 of one layer's cache; return everything up to them
+    [1, H, pos + T, D] in k's dtype (views of a 16-bit cache; an fp8 cache's dequantized: the attention sees the
+    stored values at every width)."""
+    end = pos + k.shape[2]
+    return tuple(dequantize_kv(_head(_store(c, slice(pos, end), x), end), k.dtype) for c, x in ((keys, k), (values, v)))
+
+
+def _head(stored, n: int):
+    """The first n positions of a cache view (or of an fp8 pair's codes and scales)."""
+    if isinstance(stored, tuple):
+        return stored[0][:, :, :n], stored[1][:, :, :n]
+    return stored[:, :, :n]
 
 
 def kv_write_at(keys, values, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Graph-safe write at device-side positions [T] (Trunk.positions); returns the whole capacity [1, H, N, D]
-    (the attention masks what lies past each query's position). An index_put (not index_copy_) so that the
-    compiler updates the cache in place instead of copying it."""
-    keys[:, positions] = k[0]
-    values[:, positions] = v[0]
-    return keys.unsqueeze(0), values.unsqueeze(0)
+    as stored (an fp8 cache: (codes, scales) pairs; the attention masks what lies past each query's position).
+    An index_put (not index_copy_) so that the compiler updates the cache in place instead of copying it."""
+    return _store(keys, positions, k), _store(values, positions, v)
 
 
 class GDNState:

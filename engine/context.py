@@ -12,12 +12,15 @@ which never imports transformers): `_field` reads both.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 from .errors import EngineError
 from .limits import MIN_CONTEXT
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_DTYPES = ("auto", "fp8")  # the KV cache's storage (--kv-cache-dtype): auto, the model's dtype; fp8 (cache.py)
+KV_DTYPE_ENV = "MTPCHAT_KV_CACHE_DTYPE"
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # transformers' Qwen3-Next / Qwen3.5 default when layer_types is absent
 
 
@@ -46,12 +49,23 @@ class ContextInfo:
     kv_heads: int
     head_dim: int
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Keys and values of one position over every attention layer."""
-        return self.attention_layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype: str, kv_cache: str = "auto") -> int:
+        """Keys and values of one position over every attention layer, in `dtype` (a name: DTYPE_BYTES) or as an
+        fp8 cache stores them (a byte an element, a float32 scale a vector)."""
+        vector = self.head_dim + 4 if kv_cache == "fp8" else self.head_dim * DTYPE_BYTES.get(dtype, 2)
+        return self.attention_layers * 2 * self.kv_heads * vector
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def kv_cache_dtype() -> str:
+    """MTPCHAT_KV_CACHE_DTYPE (which --kv-cache-dtype sets: every trunk, draft models and tensor-parallel ranks
+    included, reads it as it is built), else auto; anything else is refused in one line."""
+    mode = os.environ.get(KV_DTYPE_ENV) or "auto"
+    if mode not in KV_DTYPES:
+        raise EngineError(f"{KV_DTYPE_ENV} {mode!r}: expected one of {', '.join(KV_DTYPES)}")
+    return mode
 
 
 def rope_scaling(cfg) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 from .checkpoint import (fp8_checkpoint, fp8_without_fp8_weights, int4_scheme, int4_without_int4_weights,
                          quant_method, read_header, read_json, unloadable_dtype, unsupported_quantization,
                          weight_files)
-from .context import DTYPE_BYTES, ContextInfo, context_info, text_part, tokens_that_fit
+from .context import ContextInfo, context_info, kv_cache_dtype, text_part, tokens_that_fit
 from .environment import (DeviceInfo, cuda_unavailable_reason, fla_status, format_bytes, probe_device,
                           run_dtype)
 from .errors import EngineError
@@ -366,7 +366,7 @@ def assess(cand: Candidate, device: DeviceInfo) -> Candidate:
         why = half_precision_note(mem, device.available_bytes)
         dtype, mem = estimate_memory(cand, device, "bfloat16")
     fits = mem is not None and mem <= device.available_bytes
-    kv = cand.context.kv_bytes_per_token(DTYPE_BYTES.get(dtype, 2)) if cand.context is not None else None
+    kv = cand.context.kv_bytes_per_token(dtype, kv_cache_dtype()) if cand.context is not None else None
     context = tokens_that_fit(device.available_bytes, mem, kv or 0, cand.context_limit)
     return replace(cand, run_dtype=dtype, dtype_reason=why, mem_bytes=mem, fits_device=fits,
                    notes=list(cand.notes) + ([why] if why else []), kv_bytes_per_token=kv, context_fits=context)

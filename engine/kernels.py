@@ -232,6 +232,7 @@ class Backends:
     gdn_recurrent: object = field(default_factory=lambda: Kernel("torch", False))
     moe: str = "rowwise"  # the decode-width MoE path (model.MOE_PATHS)
     decode_attention: str = "masked"  # graph-mode attention: "masked" (model) or "triton" (attention_triton)
+    kv_cache: str = "auto"  # the attention KV cache's storage: "auto" (the model's dtype) or "fp8" (cache.py)
     choice: dict[str, tuple[str, str]] = field(default_factory=dict)  # op -> (backend, reason)
 
 

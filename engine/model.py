@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams
 
 from . import fp8, gdn, int4
-from .cache import KVCache, GDNState, kv_write, kv_write_at
+from .cache import KVCache, GDNState, dequantize_kv, kv_write, kv_write_at
 from .checkpoint import TensorFiles, model_dir, read_json
+from .context import kv_cache_dtype
 from .errors import EngineError
 from .events import Fallback
 from .fusion import dense_mlp, fuse_all, linears
@@ -127,10 +128,14 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, 
         keys, values = kv_write(keys, values, pos, k, v)
         o = causal_attention(q, keys, values, pos, attn.scaling)
     else:  # CUDA-graph capture: the position lives on the device, shapes are the cache's whole capacity
-        keys, values = kv_write_at(keys, values, pos, k, v)  # (pos: the positions [T])
-        if path == "triton" and keys.shape[2] > TRITON_MIN_CAPACITY:  # the filled length only (attention_triton)
-            o = torch.ops.mtpchat.decode_attention(q, keys, values, pos, attn.scaling)
+        keys, values = kv_write_at(keys, values, pos, k, v)  # (pos: the positions [T]; fp8: (codes, scales))
+        if path == "triton" and (isinstance(keys, tuple) or keys.shape[2] > TRITON_MIN_CAPACITY):
+            # the filled length only (attention_triton); an fp8 cache at every capacity: its codes are converted
+            # in registers, where the masked form would dequantize the whole capacity each step
+            (keys, ks), (values, vs) = (keys, values) if isinstance(keys, tuple) else ((keys, None), (values, None))
+            o = torch.ops.mtpchat.decode_attention(q, keys, values, pos, attn.scaling, ks, vs)
         else:
+            keys, values = dequantize_kv(keys, q.dtype), dequantize_kv(values, q.dtype)
             future = torch.arange(keys.shape[2], device=k.device)[None, :] > pos[:, None]
             o = masked_decode_attention(q, keys, values, future, attn.scaling)
     # [B, T, heads, D] from views, no copies: the gate first, so that the product takes its contiguous layout
@@ -284,27 +289,45 @@ def choose_cpu_linear(backends, modules, device, dtype) -> None:
         backends.choice["cpu_linear"] = ("onednn" if why.startswith("oneDNN") else "mkl", why)
 
 
+def choose_kv_cache(trunk) -> None:
+    """The full-attention KV cache's storage: the model's dtype, or fp8 (--kv-cache-dtype fp8: e4m3 codes and a
+    float32 scale per head and position, cache.quantize_kv). Sliding-window rings stay in the model's dtype: they
+    hold one window, whatever the context."""
+    mode = kv_cache_dtype()
+    trunk.backends.kv_cache = mode
+    dtype = str(trunk.dtype).replace("torch.", "")
+    if mode == "fp8":
+        size = torch.empty((), dtype=trunk.dtype).element_size()
+        trunk.backends.choice["kv_cache"] = ("fp8", f"e4m3 codes (a byte an element, {size} in {dtype}) and a "
+                                                    f"float32 scale per head and position; lossy "
+                                                    f"(--kv-cache-dtype fp8)")
+    else:
+        trunk.backends.choice["kv_cache"] = (dtype, "the model's dtype (--kv-cache-dtype fp8: a byte a value, lossy)")
+
+
 def choose_decode_attention(trunk) -> None:
     """Graph-mode attention: the split-K Triton kernel over the filled length (attention_triton.py) when it
     serves this trunk and matches the masked form on random inputs; else the masked form, with the reason."""
     from . import attention_triton
 
     c = trunk.config
+    fp8 = trunk.backends.kv_cache == "fp8"
     why = attention_triton.usable(trunk.device, trunk.dtype, c.head_dim)
     if why is None and os.environ.get("MTPCHAT_DECODE_ATTENTION") == "masked":
         why = "MTPCHAT_DECODE_ATTENTION=masked"
     if why is None:
         try:
             err = attention_triton.self_check(trunk.device, trunk.dtype, c.num_attention_heads,
-                                              c.num_key_value_heads, c.head_dim)
+                                              c.num_key_value_heads, c.head_dim, fp8)
             why = None if err < 2e-2 else f"self-check mismatch {err:.2g}"
         except Exception as e:  # an architecture or Triton version the kernel does not compile for
             why = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     if why is None:
         trunk.backends.decode_attention = "triton"
+        where = "an fp8 cache's codes at every capacity" if fp8 else \
+            f"caches over {TRITON_MIN_CAPACITY} positions, the masked form below"
         trunk.backends.choice["decode_attention"] = ("triton", f"split-K Triton kernel over the filled length for "
-                                                               f"caches over {TRITON_MIN_CAPACITY} positions, "
-                                                               f"the masked form below (self-check {err:.1e})")
+                                                               f"{where} (self-check {err:.1e})")
     else:
         trunk.backends.choice["decode_attention"] = ("masked", f"matmuls and a softmax over the whole capacity "
                                                                f"({why})")
@@ -416,6 +439,7 @@ class Trunk:
         choose_linear16(self.backends, self.lm.modules(), self.device, self.dtype)
         choose_cpu_linear(self.backends, self.lm.modules(), self.device, self.dtype)
         int4.choose(self.backends, self.lm.modules(), self.device, self.dtype)
+        choose_kv_cache(self)
         choose_decode_attention(self)
         choose_launch(self.backends, self.device)
 
@@ -453,7 +477,8 @@ class Trunk:
             window = RotatingKV(n_window, c.num_key_value_heads, c.head_dim, sliding_window(c), self.dtype,
                                 self.device)
         return TrunkCaches(
-            kv=KVCache(n_attn, c.num_key_value_heads, c.head_dim, self.dtype, self.device),
+            kv=KVCache(n_attn, c.num_key_value_heads, c.head_dim, self.dtype, self.device,
+                       fp8=self.backends.kv_cache == "fp8"),
             gdn=GDNState(n_gdn, dims["conv"], dims["kernel"], dims["nv"], dims["dk"], dims["dv"], self.dtype,
                          self.device),
             dims=dims,

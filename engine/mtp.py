@@ -108,7 +108,8 @@ class MTPHead(nn.Module):
 
     def new_cache(self) -> KVCache:
         c = self.trunk.config
-        return KVCache(1, c.num_key_value_heads, c.head_dim, self.trunk.dtype, self.trunk.device)
+        return KVCache(1, c.num_key_value_heads, c.head_dim, self.trunk.dtype, self.trunk.device,
+                       fp8=self.trunk.backends.kv_cache == "fp8")
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int, cache: KVCache, last_only: bool = False,
                 row: torch.Tensor | None = None, rope=None, upcast: bool = True):

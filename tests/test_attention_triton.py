@@ -31,3 +31,34 @@ def test_split_k_attention_equals_the_masked_form(triton_device, heads, kv_heads
     ref = masked_decode_attention(q.float(), k.float().nan_to_num(), v.float().nan_to_num(), future, head_dim ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
     assert (out.float() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,T,capacity,first", [
+    (6, 2, 64, 4, 512, 100),  # a verify width at an offset
+    (24, 4, 256, 1, 4096, 3000),  # the 27B shape's heads, plain decoding
+])
+def test_split_k_attention_over_an_fp8_cache_equals_the_masked_form_over_its_values(triton_device, heads, kv_heads,
+                                                                                    head_dim, T, capacity, first):
+    """An fp8 cache (--kv-cache-dtype fp8): e4m3 codes and their scales in, against the masked form over the
+    dequantized values. Scales span four orders of magnitude across positions, so a scale applied to the wrong
+    position would show."""
+    from engine import attention_triton
+    from engine.cache import dequantize_kv, quantize_kv
+
+    dev = triton_device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    g = torch.Generator(device=dev).manual_seed(first)
+    q = torch.randn(1, heads, T, head_dim, device=dev, dtype=dtype, generator=g)
+    order = torch.randperm(capacity, generator=torch.Generator().manual_seed(0)).to(dev)
+    size = torch.logspace(-2, 2, capacity, device=dev)[order]
+    k, v = (torch.randn(1, kv_heads, capacity, head_dim, device=dev, generator=g) * size[:, None] for _ in range(2))
+    k = k / size[:, None] ** 0.9  # keys near unit size (as after k_norm), values across the whole range
+    (kc, ks), (vc, vs) = quantize_kv(k), quantize_kv(v)
+    positions = torch.arange(first, first + T, device=dev)
+    future = torch.arange(capacity, device=dev)[None, :] > positions[:, None]
+    out = attention_triton.attention(q, kc, vc, positions, head_dim ** -0.5, ks, vs)
+    ref = masked_decode_attention(q.float(), dequantize_kv((kc, ks), torch.float32),
+                                  dequantize_kv((vc, vs), torch.float32), future, head_dim ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+

@@ -74,6 +74,7 @@ def one_line(p, starts: str = "mtpchat: error: ") -> str:
     (["chat", "--max-context", "-1"], "argument --max-context: must be at least 128, got -1"),
     (["bench", "--max-context", "100"], "argument --max-context: must be at least 128, got 100"),
     (["run"], "one of the arguments --prompt --prompt-file is required"),
+    (["run", "--prompt", "hi", "--kv-cache-dtype", "int2"], "argument --kv-cache-dtype: invalid choice: 'int2'"),
 ])
 def test_bad_flag_values_are_one_line(env, args, says):
     t0 = time.monotonic()

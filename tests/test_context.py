@@ -50,7 +50,8 @@ def test_context_info_from_a_config_dict_and_from_the_loaded_model(engines):
     assert info.max_position_embeddings == 262144  # the usable context: YaRN's stretch is already in it
     assert (info.rope_type, info.rope_factor, info.original_max_position_embeddings) == ("yarn", 4.0, 65536)
     assert info.attention_layers == 2 + 1  # every 4th of 8 layers (the default interval), and the MTP head's
-    assert info.kv_bytes_per_token(2) == 3 * 2 * 2 * 256 * 2
+    assert info.kv_bytes_per_token("bfloat16") == 3 * 2 * 2 * 256 * 2
+    assert info.kv_bytes_per_token("bfloat16", "fp8") == 3 * 2 * 2 * (256 + 4)  # a byte a value, a scale a vector
     engine = engines("next")  # fixtures: 2 full-attention layers of 5, 2 KV heads of 16 dims, one MTP layer
     assert engine.context_limit == 4096 and engine.kv_bytes_per_token == 3 * 2 * 2 * 16 * 4  # float32 on CPU
     ctx = engine.diagnostics()["context"]

@@ -213,7 +213,7 @@ def test_a_released_qwen3_config_counts_every_layer_as_attention():
 
     info = context_info({"model_type": "qwen3", "num_hidden_layers": 28, "num_attention_heads": 16,
                          "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960})
-    assert info.attention_layers == 28 and info.kv_bytes_per_token(2) == 28 * 2 * 8 * 128 * 2
+    assert info.attention_layers == 28 and info.kv_bytes_per_token("bfloat16") == 28 * 2 * 8 * 128 * 2
 
 
 def test_with_the_graph_runner_speculation_equals_transformers_and_eager_plain(models):

@@ -57,6 +57,8 @@
 #   bash packaging/bench/h200.sh ahead27b # the 27B shape in Int4 and FP8, --compile, those forms among the timed ones
 #   bash packaging/bench/h200.sh cycles   # the demo model with cycle graphs and without (MTPCHAT_CYCLE_GRAPHS=0);
 #                                         # GPU tests; with cycle graphs and --compile
+#   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
+#                                         # it, Int4 decoding after an 8k prompt with and without it
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
 # the device's python3 has none of them.
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
@@ -264,6 +266,17 @@ memory)  # issue #29 (about 8 minutes): the GPU tests of the quantized paths and
   timeout 60 python3 packaging/bench/gdn_prefill_split.py --json "$OUT/gdn_prefill_split_h200.json" 2>&1 | tail -5
   timeout 300 python3 packaging/bench/memory_peak.py --random-weights qwen3.5-27b --quant int4 --prompt-tokens 32768 \
         --compile --warm-depths 0,3 --json "$OUT/memory_peak_int4_32k_h200.json" 2>&1 | grep -v Warn | tail -30
+  ;;
+kvfp8)  # about 8 minutes: the fp8 KV cache (cache.py) on a GPU for the first time
+  gpu_tests 150 "$OUT/gpu_tests_kvfp8.log" tests/test_kv_fp8.py tests/test_attention_triton.py
+  MTPCHAT_KV_CACHE_DTYPE=fp8 timeout 240 python3 packaging/bench/memory_peak.py --random-weights qwen3.5-27b \
+        --quant int4 --prompt-tokens 32768 --compile --warm-depths 0,3 \
+        --json "$OUT/memory_peak_int4_32k_fp8kv_h200.json" 2>&1 | grep -v Warn | tail -30
+  for kv in auto fp8; do
+    MTPCHAT_KV_CACHE_DTYPE=$kv BENCH_TIMEOUT=100 bench --random-weights qwen3.5-27b --quant int4 --compile \
+        --depths 0,3 --drafter oracle --acceptance 1.0 --prompt-tokens 8192 --max-new-tokens 64 --no-hf \
+        --out "$OUT/bench27b_int4_8k_kv${kv}_h200.json"
+  done
   ;;
 gdn)
   timeout 60 python3 packaging/bench/gdn_ops.py --json "$OUT/gdn_ops_h200.json" 2>&1 | grep -E "^B |Error"
