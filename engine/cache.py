@@ -14,6 +14,8 @@ import itertools
 
 import torch
 
+from .fp8 import FP8_MAX
+
 # Every buffer allocation gets a new serial number: CUDA graphs are keyed by the serials of the buffers they were
 # captured over. (A bare data_ptr() is not an identity: a freed buffer's address is handed to the next one.)
 _serials = itertools.count(1)
@@ -32,7 +34,6 @@ GROWTH = 1.25
 
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,23 +43,20 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """e4m3 codes as the bytes they are (zeros, copies and index_put exist for uint8 on every device and torch
-    version; for float8 not everywhere); any other tensor as it is."""
-    return t.view(torch.uint8) if t.dtype == FP8 else t
-
-
 def dequantize_kv(pair, dtype) -> torch.Tensor:
     """(codes, scales) -> the vectors in dtype; a 16-bit (or float32) cache tensor passes through."""
     if not isinstance(pair, tuple):
         return pair
     codes, scale = pair
-    return (codes.float() * scale[..., None]).to(dtype)
+    return (codes.view(FP8).float() * scale[..., None]).to(dtype)
 
 
 class KVCache:
     """Keys and values of every full-attention layer: [layers, kv_heads, capacity, head_dim], batch 1. fp8: e4m3
-    codes with float32 scales [layers, kv_heads, capacity] (quantize_kv)."""
+    codes with float32 scales [layers, kv_heads, capacity] (quantize_kv). The codes are kept as their bytes
+    (uint8) and read through float8 views: zeros, copies and index_put exist for uint8 on every device and torch
+    version, and a compiled layer's write into a layer's view of the cache (a select_scatter) then never mixes a
+    mask with float8, which inductor's CPU code generation refuses."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype, device, chunk: int = RESERVE_CHUNK,
                  fp8: bool = False):
@@ -74,9 +72,9 @@ class KVCache:
         if not self.fp8:
             k = torch.zeros((L, H, capacity, D), dtype=self.dtype, device=self.device)
             return k, torch.zeros_like(k), None, None
-        k = torch.zeros((L, H, capacity, D), dtype=torch.uint8, device=self.device)  # (as_bytes: why bytes)
+        k = torch.zeros((L, H, capacity, D), dtype=torch.uint8, device=self.device)
         scale = torch.zeros((L, H, capacity), device=self.device)
-        return k.view(FP8), torch.zeros_like(k).view(FP8), scale, torch.zeros_like(scale)
+        return k, torch.zeros_like(k), scale, torch.zeros_like(scale)
 
     @property
     def capacity(self) -> int:
@@ -92,7 +90,7 @@ class KVCache:
         new = self._buffers(cap)
         for old, buf in zip((self.k, self.v, self.k_scale, self.v_scale), new):
             if buf is not None:
-                as_bytes(buf)[:, :, : self.length] = as_bytes(old)[:, :, : self.length]
+                buf[:, :, : self.length] = old[:, :, : self.length]
         self.k, self.v, self.k_scale, self.v_scale = new
         self.serial = new_serial()
 
@@ -110,11 +108,11 @@ class KVCache:
 
 def _store(cache, at, x: torch.Tensor):
     """x [1, H, T, D] into one layer's keys or values at `at` (a slice or device-side positions); returns the
-    cache's views with a batch dimension: [1, H, N, D], or fp8 ([1, H, N, D] codes, [1, H, N] scales)."""
+    cache's views with a batch dimension: [1, H, N, D], or fp8 ([1, H, N, D] codes as bytes, [1, H, N] scales)."""
     if isinstance(cache, tuple):
         codes, scales = cache
         c, scales[:, at] = quantize_kv(x[0])
-        as_bytes(codes)[:, at] = as_bytes(c)
+        codes[:, at] = c.view(torch.uint8)
         return codes.unsqueeze(0), scales.unsqueeze(0)
     cache[:, at] = x[0]
     return cache.unsqueeze(0)

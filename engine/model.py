@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams
 
 from . import fp8, gdn, int4
-from .cache import KVCache, GDNState, dequantize_kv, kv_write, kv_write_at
+from .cache import FP8, KVCache, GDNState, dequantize_kv, kv_write, kv_write_at
 from .checkpoint import TensorFiles, model_dir, read_json
 from .context import kv_cache_dtype
 from .errors import EngineError
@@ -133,6 +133,8 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, 
             # the filled length only (attention_triton); an fp8 cache at every capacity: its codes are converted
             # in registers, where the masked form would dequantize the whole capacity each step
             (keys, ks), (values, vs) = (keys, values) if isinstance(keys, tuple) else ((keys, None), (values, None))
+            if ks is not None:  # (the codes' bytes as e4m3)
+                keys, values = keys.view(FP8), values.view(FP8)
             o = torch.ops.mtpchat.decode_attention(q, keys, values, pos, attn.scaling, ks, vs)
         else:
             keys, values = dequantize_kv(keys, q.dtype), dequantize_kv(values, q.dtype)

@@ -14,10 +14,16 @@ standin_recurrent = torch.compiler.disable(kernels.torch_recurrent)
 standin_chunk = torch.compiler.disable(kernels.torch_chunk)
 
 
-@pytest.fixture(params=["next", "next_moe"])
+@pytest.fixture(params=["next", "next_moe", "next:fp8"])
 def engine(ckpt, monkeypatch, request):
+    """A fixture's engine with the GDN kernels replaced by stand-ins; "name:fp8": over an fp8 KV cache (its
+    quantizing writes, byte views and dequantization inside the compiled graphs too)."""
+    name, _, kv = request.param.partition(":")
     monkeypatch.setitem(kernels.IMPLEMENTATIONS, "standin", (standin_recurrent, standin_chunk))
-    eng = load_engine(str(ckpt(request.param)), device="cpu")
+    with monkeypatch.context() as m:
+        m.setenv("MTPCHAT_KV_CACHE_DTYPE", kv or "auto")
+        eng = load_engine(str(ckpt(name)), device="cpu")
+    assert eng.caches.kv.fp8 == (kv == "fp8")
     eng.trunk.backends.gdn_recurrent = kernels.Kernel("standin", False)
     eng.trunk.backends.gdn_chunk = kernels.Kernel("standin", True)
     return eng

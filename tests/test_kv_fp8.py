@@ -58,11 +58,11 @@ def test_an_fp8_cache_keeps_its_entries_as_it_grows():
     assert (keys - k).abs().max() <= k.abs().max() * 2 ** -4
     cache.length, serial = 3, cache.serial
     cache.reserve(10)
-    assert cache.capacity >= 13 and cache.serial != serial and cache.k.dtype == torch.float8_e4m3fn
+    assert cache.capacity >= 13 and cache.serial != serial and cache.k.dtype == torch.uint8
     (kc, ks), (vc, vs) = cache.layer(1)
     assert torch.equal(dequantize_kv((kc[:, :3], ks[:, :3]), torch.float32), keys[0])
     assert torch.equal(dequantize_kv((vc[:, :3], vs[:, :3]), torch.float32), values[0])
-    assert not kc[:, 3:].float().any() and not ks[:, 3:].any()  # the new room is zeros (graph attention reads it)
+    assert not kc[:, 3:].any() and not ks[:, 3:].any()  # the new room is zeros (graph attention reads it)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
