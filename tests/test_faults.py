@@ -33,12 +33,15 @@ POINTS = 10  # injection points per (configuration, mode) in the CI subset
 
 @pytest.fixture(scope="module")
 def demo():
-    """name -> engine: "eager" and "graphs" (the graph runner, on the CPU)."""
+    """name -> engine: "eager" and "graphs" (the graph runner, on the CPU); "...:fp8" over an fp8 KV cache."""
     made = {}
 
     def get(name):
         if name not in made:
-            made[name] = load_engine(DEMO, cuda_graphs=name == "graphs")
+            runner, _, kv = name.partition(":")
+            with pytest.MonkeyPatch.context() as m:
+                m.setenv("MTPCHAT_KV_CACHE_DTYPE", kv or "auto")
+                made[name] = load_engine(DEMO, cuda_graphs=runner == "graphs")
         return made[name]
 
     return get
@@ -65,10 +68,11 @@ def points(total: int) -> list[int]:
 
 # AUTO: chains of up to 4 drafts stopped after a draft the head gives less than 0.15 (--depth auto's floors on the
 # CPU, fixed here so that every run takes the same ops; on this prompt chains stop at drafts 1 and 3 and run to 4)
+FP8_KV = [("eager:fp8", 2, False), ("graphs:fp8", 3, False)]  # (the fp8 cache's quantizing writes faulted too)
 CONFIGS = [("eager", 0, False), ("eager", 2, False), ("eager", 4, True), ("graphs", 0, False),
-           ("graphs", 3, False), ("graphs", 1, True), ("graphs", 0, True), ("eager", AUTO, False)]
+           ("graphs", 3, False), ("graphs", 1, True), ("graphs", 0, True), ("eager", AUTO, False), *FP8_KV]
 if SWEEP:
-    CONFIGS = [(g, d, s) for g in ("eager", "graphs") for s in (False, True) for d in [*range(5), AUTO]]
+    CONFIGS = [(g, d, s) for g in ("eager", "graphs") for s in (False, True) for d in [*range(5), AUTO]] + FP8_KV
 
 
 def graph_failures(e) -> list:
@@ -90,7 +94,7 @@ def test_a_fault_at_any_op_hands_out_plain_tokens_and_leaves_an_exact_engine(run
         monkeypatch.setattr(DepthChooser, "floors", lambda self, k: [0.15] * (k - 1))
     e = demo(runner)
     prompt, s = prompt_of(e), settings(depth, sampled)
-    plain, err, _ = handed_out(demo("eager"), prompt, settings(0, sampled))
+    plain, err, _ = handed_out(demo(runner.replace("graphs", "eager")), prompt, settings(0, sampled))
     assert err is None and len(plain) == NEW
     reference, err, _ = handed_out(e, prompt, s)  # (also captures every graph the request replays)
     assert err is None and (reference == plain or sampled)
