@@ -1,11 +1,11 @@
 """The engine's caches and the speculative transaction over them.
 
 Attention KV is preallocated and grows in whole chunks; trimming is setting a length. With --kv-cache-dtype fp8
-it is stored in float8 e4m3 with a float32 scale per (head, position) (quantize_kv): half the memory of 16-bit,
-lossy (the text can differ from the 16-bit cache's), the same for every pass width, so speculation stays exact
-against plain decoding with the same cache. GDN state (the short-conv
-window and the recurrent state) cannot be trimmed, so a verify pass never writes it: it stashes the exact kernel
-inputs, and commit(m) replays the accepted prefix from the untouched pre-verify state (see gdn.py).
+it is stored as e4m3 codes with a float32 scale per (head, position) (quantize_kv): half a 16-bit cache's memory,
+lossy (the text can differ from the 16-bit cache's), but the same codes at every pass width, so speculation stays
+exact against plain decoding over the same cache. GDN state (the short-conv window and the recurrent state)
+cannot be trimmed, so a verify pass never writes it: it stashes the exact kernel inputs, and commit(m) replays the
+accepted prefix from the untouched pre-verify state (see gdn.py).
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def kv_write(keys, values, pos: int, k: torch.Tensor, v: torch.Tensor):
     [1, H, pos + T, D] in k's dtype (views of a 16-bit cache; an fp8 cache's dequantized: the attention sees the
     stored values at every width)."""
     end = pos + k.shape[2]
-    return tuple(dequantize_kv(_head(_store(c, slice(pos, end), x), end), k.dtype) for c, x in ((keys, k), (values, v)))
+    keys, values = _store(keys, slice(pos, end), k), _store(values, slice(pos, end), v)
+    return dequantize_kv(_head(keys, end), k.dtype), dequantize_kv(_head(values, end), k.dtype)
 
 
 def _head(stored, n: int):
