@@ -67,7 +67,10 @@ CONFIGS["dotbits"] = CONFIGS["dot"]  # the dot form, its FP8 bytes made bf16 by 
 CONFIGS["stream"] = [(4, ALL, 4, 3, 1024), (4, 8, 4, 4, 2048), (8, ALL, 8, 3, 1024), (8, ALL, 4, 3, 512),
                      (32, ALL, 8, 3, 256)]
 CONFIGS["stream_ahead"] = CONFIGS["stream"] + [(4, ALL, 4, 3, 512), (8, ALL, 4, 3, 256), (4, 16, 4, 3, 1024)]
-STREAMS = {"stream": False, "stream_ahead": True}  # the stream form without and with its next tile loaded ahead
+CONFIGS["stream_staged"] = [(4, ALL, 4, 2, 1024), (4, ALL, 4, 3, 1024), (4, ALL, 4, 3, 512), (8, ALL, 4, 3, 512),
+                            (8, ALL, 8, 3, 1024), (4, 16, 4, 4, 512), (32, ALL, 8, 3, 256), (8, ALL, 4, 4, 256)]
+# the stream form's ways of keeping bytes in flight, on trial (see _fp8_stream): kind -> (AHEAD, STAGED)
+STREAMS = {"stream": (False, False), "stream_ahead": (True, False), "stream_staged": (False, True)}
 ROWS_MAX = 8  # the widths the row kernel may serve (its cost grows with them)
 _chosen: dict[tuple, tuple] = {}  # (N, K, bucket, device index) -> the timed (kernel, configuration)
 
@@ -131,12 +134,13 @@ if triton is not None:
     @triton.jit
     def _fp8_stream(X, W, S, Y, P, LOCKS, N, K, stride_wn, stride_sn, KS: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, SCALED: tl.constexpr, EVEN: tl.constexpr, AHEAD: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
         """One input row: BLOCK_N weight rows, BLOCK_K columns a tile (runs of 0.5-4 KB of each row), multiplied
         into a [BLOCK_N, BLOCK_K] float32 accumulator and summed once after the last tile. SCALED: the FP8 block
         scale multiplies the input columns (BLOCK_N divides 128, so one scale row serves the program). EVEN: whole
         tiles, no masks. AHEAD: the next tile is loaded before this one's multiply-adds (twice the bytes in flight
-        a thread: an FP8 tile holds half a 16-bit one's)."""
+        a thread: an FP8 tile holds half a 16-bit one's). STAGES > 1: the next STAGES - 1 tiles are copied into
+        shared memory asynchronously (cp.async; Triton stages a dot-free loop's loads only when it asks)."""
         after_previous(PDL)
         pn, pk = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -146,7 +150,7 @@ if triton is not None:
         end = tl.minimum(first + KS, tl.cdiv(K, BLOCK_K))
         if AHEAD:
             w = _stream_tile(W, n, first * BLOCK_K + kk, N, K, stride_wn, EVEN)
-        for c in range(first, end):
+        for c in tl.range(first, end, num_stages=STAGES):
             k = c * BLOCK_K + kk
             if AHEAD:  # (the last tile loads itself again: in cache, and no branch)
                 later = _stream_tile(W, n, tl.minimum(c + 1, end - 1) * BLOCK_K + kk, N, K, stride_wn, EVEN)
@@ -239,8 +243,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     if kind in STREAMS:  # (one row)
         _fp8_stream[(triton.cdiv(N, block_n), slices)](
             x2, weight, scale, out, part, locks, N, K, weight.stride(0), scale.stride(0), KS=ks, BLOCK_N=block_n,
-            BLOCK_K=block_k, SCALED=scaled, EVEN=N % block_n == 0 and K % block_k == 0, AHEAD=STREAMS[kind],
-            num_warps=warps, num_stages=stages, **pdl(x2))
+            BLOCK_K=block_k, SCALED=scaled, EVEN=N % block_n == 0 and K % block_k == 0, AHEAD=STREAMS[kind][0],
+            STAGES=stages if STREAMS[kind][1] else 1, num_warps=warps, num_stages=stages, **pdl(x2))
     elif kind == "rows":
         _fp8_rows[(triton.cdiv(N, block_n), slices)](
             x2, weight, scale, out, part, locks, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0),

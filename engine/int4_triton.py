@@ -54,9 +54,11 @@ CONFIGS = {  # (pruned to the configurations that won some shape and width on th
     # (a thread's share of the tile: BLOCK_N * 16 words / (32 * warps): 64 words ran ten times slower than 16)
     "row": [(64, 4, 2, 3), (32, 4, 1, 3), (64, 8, 4, 3), (128, 4, 2, 3), (64, 4, 4, 3)],
 }
-# the row form with and without loading a block ahead (AHEAD: see _w4a16_row), on trial
-ROW_FORMS = {"row": False, "row_ahead": True}
+# the row form's ways of keeping bytes in flight, on trial (see _w4a16_row): kind -> (AHEAD, STAGED)
+ROW_FORMS = {"row": (False, False), "row_ahead": (True, False), "row_staged": (False, True)}
 CONFIGS["row_ahead"] = CONFIGS["row"] + [(64, 8, 2, 3), (32, 8, 1, 3), (64, 16, 2, 3), (32, 16, 1, 3)]
+CONFIGS["row_staged"] = [(64, 4, 2, 2), (64, 4, 2, 3), (64, 8, 2, 3), (64, 8, 2, 4), (32, 8, 1, 3), (128, 4, 2, 3),
+                         (64, 16, 2, 3), (64, 8, 4, 3)]
 _chosen: dict[tuple, tuple] = {}  # (N, K, group, bucket, device index) -> the timed (kernel, configuration)
 
 
@@ -180,7 +182,7 @@ if triton is not None:
     @triton.jit
     def _w4a16_row(X, QW, Z, S, Y, P, LOCKS, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s, NIBBLE,
                    KS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                   AHEAD: tl.constexpr = False, PDL: tl.constexpr = False):
+                   AHEAD: tl.constexpr = False, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
         """The CUDA-core form for decoding's one row: no tensor cores, so no shared-memory round trip of the
         unpacked tile (the dot forms' bound: 16 bytes of 16-bit weight a packed word through shared memory).
         Each nibble costs a shift, one LOP3 and one FMA: moved to bits 16-19 and OR-ed under the exponent of
@@ -190,7 +192,9 @@ if triton is not None:
         the exponent were two immediates, which LOP3 cannot take together (two LOP3s a nibble). EVEN: whole
         blocks and tiles (every real shape), so no masks and 32-bit offsets. AHEAD: the next block's words are
         loaded before this block's arithmetic (one block more in flight a program: at 2 warps a program and
-        about 12 warps an SM, one block a warp is near the bytes HBM's latency needs in flight)."""
+        about 12 warps an SM, one block a warp is near the bytes HBM's latency needs in flight). STAGES > 1:
+        Triton's pipeliner copies the words of the next STAGES - 1 blocks into shared memory asynchronously
+        (cp.async): it stages only loads that feed a dot unless the loop itself asks for stages."""
         after_previous(PDL)
         pn, pk = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -202,7 +206,7 @@ if triton is not None:
         if AHEAD:
             packed, z, s = _packed_block(QW, Z, S, first * BLOCK_K, n, n_ok, K, GROUP, stride_q, stride_z,
                                          stride_s, BLOCK_K, EVEN)
-        for b in range(first, end):
+        for b in tl.range(first, end, num_stages=STAGES):
             k0 = b * BLOCK_K
             if AHEAD:  # (the last block loads itself again: in cache, and no branch)
                 later = _packed_block(QW, Z, S, tl.minimum(b + 1, end - 1) * BLOCK_K, n, n_ok, K, GROUP, stride_q,
@@ -265,7 +269,8 @@ def _launch(x2: torch.Tensor, qweight, zeros, scales, group: int, choice) -> tor
             raise ValueError(f"the row form serves one row, not {M}")
         even = N % block_n == 0 and K % bk == 0 and qweight.shape[0] * qweight.stride(0) < 2**31
         _w4a16_row[(triton.cdiv(N, block_n), slices)](*args, NIBBLE, KS=min(ks, blocks), BLOCK_N=block_n,
-                                                      BLOCK_K=bk, EVEN=even, AHEAD=ROW_FORMS[kind],
+                                                      BLOCK_K=bk, EVEN=even, AHEAD=ROW_FORMS[kind][0],
+                                                      STAGES=stages if ROW_FORMS[kind][1] else 1,
                                                       num_warps=warps, num_stages=stages, **pdl(x2))
     elif kind == "dot8":  # (its dots' K is BLOCK_K / 8: tensor cores need 16)
         if bk < 128:
