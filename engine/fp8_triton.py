@@ -66,11 +66,6 @@ CONFIGS["dotbits"] = CONFIGS["dot"]  # the dot form, its FP8 bytes made bf16 by 
 # (the winners of eight at the 27B shape's projections, bf16 and FP8: quant_kernels_{bf16,fp8}_stream_h200.json)
 CONFIGS["stream"] = [(4, ALL, 4, 3, 1024), (4, 8, 4, 4, 2048), (8, ALL, 8, 3, 1024), (8, ALL, 4, 3, 512),
                      (32, ALL, 8, 3, 256)]
-CONFIGS["stream_ahead"] = CONFIGS["stream"] + [(4, ALL, 4, 3, 512), (8, ALL, 4, 3, 256), (4, 16, 4, 3, 1024)]
-CONFIGS["stream_staged"] = [(4, ALL, 4, 2, 1024), (4, ALL, 4, 3, 1024), (4, ALL, 4, 3, 512), (8, ALL, 4, 3, 512),
-                            (8, ALL, 8, 3, 1024), (4, 16, 4, 4, 512), (32, ALL, 8, 3, 256), (8, ALL, 4, 4, 256)]
-# the stream form's ways of keeping bytes in flight, on trial (see _fp8_stream): kind -> (AHEAD, STAGED)
-STREAMS = {"stream": (False, False), "stream_ahead": (True, False), "stream_staged": (False, True)}
 ROWS_MAX = 8  # the widths the row kernel may serve (its cost grows with them)
 _chosen: dict[tuple, tuple] = {}  # (N, K, bucket, device index) -> the timed (kernel, configuration)
 
@@ -133,46 +128,30 @@ if triton is not None:
 
     @triton.jit
     def _fp8_stream(X, W, S, Y, P, LOCKS, N, K, stride_wn, stride_sn, KS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SCALED: tl.constexpr, EVEN: tl.constexpr, AHEAD: tl.constexpr = False,
-                    STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
+                    BLOCK_K: tl.constexpr, SCALED: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
         """One input row: BLOCK_N weight rows, BLOCK_K columns a tile (runs of 0.5-4 KB of each row), multiplied
         into a [BLOCK_N, BLOCK_K] float32 accumulator and summed once after the last tile. SCALED: the FP8 block
         scale multiplies the input columns (BLOCK_N divides 128, so one scale row serves the program). EVEN: whole
-        tiles, no masks. AHEAD: the next tile is loaded before this one's multiply-adds (twice the bytes in flight
-        a thread: an FP8 tile holds half a 16-bit one's). STAGES > 1: the next STAGES - 1 tiles are copied into
-        shared memory asynchronously (cp.async; Triton stages a dot-free loop's loads only when it asks)."""
+        tiles, no masks."""
         after_previous(PDL)
         pn, pk = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        first = pk * KS
-        end = tl.minimum(first + KS, tl.cdiv(K, BLOCK_K))
-        if AHEAD:
-            w = _stream_tile(W, n, first * BLOCK_K + kk, N, K, stride_wn, EVEN)
-        for c in tl.range(first, end, num_stages=STAGES):
+        for c in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
             k = c * BLOCK_K + kk
-            if AHEAD:  # (the last tile loads itself again: in cache, and no branch)
-                later = _stream_tile(W, n, tl.minimum(c + 1, end - 1) * BLOCK_K + kk, N, K, stride_wn, EVEN)
-            else:
-                w = _stream_tile(W, n, k, N, K, stride_wn, EVEN)
             if EVEN:
+                w = tl.load(W + n[:, None] * stride_wn + k[None, :])
                 x = tl.load(X + k).to(tl.float32)
             else:
+                w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                            other=0.0)
                 x = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
             if SCALED:
                 x = x * tl.load(S + (pn * BLOCK_N // 128) * stride_sn + k // 128, mask=k < K, other=0.0)
             acc += w.to(tl.float32) * x[None, :]
-            if AHEAD:
-                w = later
         store_tile(Y, P, LOCKS, tl.sum(acc, 1)[None, :], tl.arange(0, 1)[:, None], n[None, :], (n < N)[None, :], 1,
                    N, pn)
-
-    @triton.jit
-    def _stream_tile(W, n, k, N, K, stride_wn, EVEN: tl.constexpr):
-        if EVEN:
-            return tl.load(W + n[:, None] * stride_wn + k[None, :])
-        return tl.load(W + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
 
     @triton.jit
     def _fp8_as_bf16(w, ASM: tl.constexpr):
@@ -233,18 +212,18 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     scale = scale if scaled else weight  # (a pointer the kernel never reads)
     M, K = x2.shape
     N = weight.shape[0]
-    block_k = wide[0] if kind in STREAMS else BLOCK  # (the stream form's tile width; the others' is a scale block)
+    block_k = wide[0] if kind == "stream" else BLOCK  # (the stream form's tile width; the others' is a scale block)
     blocks = triton.cdiv(K, block_k)
     ks = min(ks, blocks)
     slices = triton.cdiv(blocks, ks)
     block_m = triton.next_power_of_2(max(M, 1)) if kind == "rows" else max(16, bucket(M)) if M > 8 else 16
-    tiles = triton.cdiv(N, block_n) * (1 if kind == "rows" or kind in STREAMS else triton.cdiv(M, block_m))
+    tiles = triton.cdiv(N, block_n) * (1 if kind in ("rows", "stream") else triton.cdiv(M, block_m))
     out, part, locks = output(M, N, slices, tiles, x2)
-    if kind in STREAMS:  # (one row)
+    if kind == "stream":  # (one row)
         _fp8_stream[(triton.cdiv(N, block_n), slices)](
             x2, weight, scale, out, part, locks, N, K, weight.stride(0), scale.stride(0), KS=ks, BLOCK_N=block_n,
-            BLOCK_K=block_k, SCALED=scaled, EVEN=N % block_n == 0 and K % block_k == 0, AHEAD=STREAMS[kind][0],
-            STAGES=stages if STREAMS[kind][1] else 1, num_warps=warps, num_stages=stages, **pdl(x2))
+            BLOCK_K=block_k, SCALED=scaled, EVEN=N % block_n == 0 and K % block_k == 0, num_warps=warps,
+            num_stages=stages, **pdl(x2))
     elif kind == "rows":
         _fp8_rows[(triton.cdiv(N, block_n), slices)](
             x2, weight, scale, out, part, locks, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0),
@@ -336,7 +315,7 @@ def tune(weight: torch.Tensor, scale: torch.Tensor, rows: int = 1) -> tuple:
         x = torch.randn(rows, K, device=weight.device, dtype=torch.bfloat16)
         kinds = ("rows", "dot", "dotbits") if rows <= ROWS_MAX else ("dot", "dotbits")
         if rows == 1:  # (the stream form serves one row only)
-            kinds = tuple(STREAMS) + kinds
+            kinds = ("stream",) + kinds
         _chosen[key] = fastest([(kind, c) for kind in kinds for c in CONFIGS[kind]],
                                lambda choice: _launch(x, weight, scale, choice))
     return _chosen[key]

@@ -260,13 +260,9 @@ class GraphRunner:
         self.decodes = StepGraphs(trunk.device, 1, trunk.group, chained=True)  # plain decoding's in-place step
         self.prefills = StepGraphs(trunk.device, PREFILL_WIDTHS[-1], trunk.group)  # short prefills, padded
         self.cycles = StepGraphs(trunk.device, max_width, trunk.group)  # whole greedy MTP cycles (cycle)
-        # Off on CUDA until a device run has measured them (tests/test_gpu.py and `h200.sh cycles` turn them on):
-        # MTPCHAT_CYCLE_GRAPHS=1 on, 0 off (the host's path, for comparisons)
-        cycles = os.environ.get("MTPCHAT_CYCLE_GRAPHS", "")
-        if cycles == "0":
+        # MTPCHAT_CYCLE_GRAPHS=0: off, the host's path (for comparisons: `h200.sh cycles`)
+        if os.environ.get("MTPCHAT_CYCLE_GRAPHS", "") == "0":
             self.cycles.failure = "cycle graphs off (MTPCHAT_CYCLE_GRAPHS=0)"
-        elif cycles != "1" and trunk.device.type == "cuda":
-            self.cycles.failure = "cycle graphs off on CUDA until measured there (MTPCHAT_CYCLE_GRAPHS=1: on)"
         self.ahead = Ahead(max_width, trunk.config.hidden_size, trunk.dtype, trunk.device)
         self.turn = 0  # which of a width's two cycle graphs replayed last
         self.compile_failure: str | None = None

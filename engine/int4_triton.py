@@ -51,14 +51,11 @@ NIBBLE = 0xF0000  # the row form's nibble mask, an argument (see _w4a16_row)
 CONFIGS = {  # (pruned to the configurations that won some shape and width on the H200: quant_kernels_h200.json)
     "dot": [(64, 8, 4, 3), (128, 4, 4, 3), (128, 8, 4, 3), (128, 16, 8, 3), (64, ALL, 4, 3)],
     "dot8": [(64, 8, 4, 3), (128, 8, 4, 3), (128, 4, 4, 3), (128, 16, 8, 3)],
-    # (a thread's share of the tile: BLOCK_N * 16 words / (32 * warps): 64 words ran ten times slower than 16)
-    "row": [(64, 4, 2, 3), (32, 4, 1, 3), (64, 8, 4, 3), (128, 4, 2, 3), (64, 4, 4, 3)],
+    # (a thread's share of the tile: BLOCK_N * 16 words / (32 * warps): 64 words ran ten times slower than 16;
+    # stages: 1 loads each block as it comes, 2-4 stage the next blocks' words through shared memory)
+    "row": [(64, 4, 2, 1), (32, 4, 1, 1), (64, 8, 4, 1), (128, 4, 2, 1), (64, 4, 4, 1),
+            (64, 4, 2, 2), (32, 8, 1, 3), (64, 16, 2, 3), (32, 8, 1, 4), (32, 16, 1, 3), (32, 8, 2, 3)],
 }
-# the row form's ways of keeping bytes in flight, on trial (see _w4a16_row): kind -> (AHEAD, STAGED)
-ROW_FORMS = {"row": (False, False), "row_ahead": (True, False), "row_staged": (False, True)}
-CONFIGS["row_ahead"] = CONFIGS["row"] + [(64, 8, 2, 3), (32, 8, 1, 3), (64, 16, 2, 3), (32, 16, 1, 3)]
-CONFIGS["row_staged"] = [(64, 4, 2, 2), (64, 4, 2, 3), (64, 8, 2, 3), (64, 8, 2, 4), (32, 8, 1, 3), (128, 4, 2, 3),
-                         (64, 16, 2, 3), (64, 8, 4, 3)]
 _chosen: dict[tuple, tuple] = {}  # (N, K, group, bucket, device index) -> the timed (kernel, configuration)
 
 
@@ -182,7 +179,7 @@ if triton is not None:
     @triton.jit
     def _w4a16_row(X, QW, Z, S, Y, P, LOCKS, M, N, K, GROUP, stride_xm, stride_q, stride_z, stride_s, NIBBLE,
                    KS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                   AHEAD: tl.constexpr = False, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
+                   STAGES: tl.constexpr, PDL: tl.constexpr = False):
         """The CUDA-core form for decoding's one row: no tensor cores, so no shared-memory round trip of the
         unpacked tile (the dot forms' bound: 16 bytes of 16-bit weight a packed word through shared memory).
         Each nibble costs a shift, one LOP3 and one FMA: moved to bits 16-19 and OR-ed under the exponent of
@@ -190,30 +187,22 @@ if triton is not None:
         column sums less (128 + zero) * sum(x), times the scale: sum(x * (q - zero) * scale) in float32 (the
         weight is never rounded to 16 bits). NIBBLE is 0xF0000 passed at run time: as a constant, the mask and
         the exponent were two immediates, which LOP3 cannot take together (two LOP3s a nibble). EVEN: whole
-        blocks and tiles (every real shape), so no masks and 32-bit offsets. AHEAD: the next block's words are
-        loaded before this block's arithmetic (one block more in flight a program: at 2 warps a program and
-        about 12 warps an SM, one block a warp is near the bytes HBM's latency needs in flight). STAGES > 1:
-        Triton's pipeliner copies the words of the next STAGES - 1 blocks into shared memory asynchronously
-        (cp.async): it stages only loads that feed a dot unless the loop itself asks for stages."""
+        blocks and tiles (every real shape), so no masks and 32-bit offsets. STAGES > 1: the next STAGES - 1
+        blocks' words are copied into shared memory asynchronously (cp.async, LDGSTS), so a warp has more than
+        one block in flight: Triton's pipeliner stages a loop's loads without a dot only when the loop asks for
+        stages (tl.range). On the H100 that took the 5,120-column projections from 10.8-11.0 us to 9.1-9.3 (at
+        32 columns, 8 blocks a program, one warp; quant_kernels_ahead_h100.json); loading the next block into
+        registers ahead instead (a variant measured with it) gained half as much."""
         after_previous(PDL)
         pn, pk = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         i = tl.arange(0, BLOCK_K // 8)
         n_ok = n < N
-        first = pk * KS
-        end = tl.minimum(first + KS, tl.cdiv(K, BLOCK_K))
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        if AHEAD:
-            packed, z, s = _packed_block(QW, Z, S, first * BLOCK_K, n, n_ok, K, GROUP, stride_q, stride_z,
-                                         stride_s, BLOCK_K, EVEN)
-        for b in tl.range(first, end, num_stages=STAGES):
+        for b in tl.range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K)), num_stages=STAGES):
             k0 = b * BLOCK_K
-            if AHEAD:  # (the last block loads itself again: in cache, and no branch)
-                later = _packed_block(QW, Z, S, tl.minimum(b + 1, end - 1) * BLOCK_K, n, n_ok, K, GROUP, stride_q,
-                                      stride_z, stride_s, BLOCK_K, EVEN)
-            else:
-                packed, z, s = _packed_block(QW, Z, S, k0, n, n_ok, K, GROUP, stride_q, stride_z, stride_s, BLOCK_K,
-                                             EVEN)
+            packed, z, s = _packed_block(QW, Z, S, k0, n, n_ok, K, GROUP, stride_q, stride_z, stride_s, BLOCK_K,
+                                         EVEN)
             t = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
             kb = k0 + i[:, None] * 8 + tl.arange(0, 8)[None, :]
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -232,8 +221,6 @@ if triton is not None:
                 q = ((moved & NIBBLE) | 0x43000000).to(tl.float32, bitcast=True)  # 128 + nibble j
                 t += q * xc[j][:, None]
             acc += (tl.sum(t, 0) - xs * (z + 128.0)) * s
-            if AHEAD:
-                packed, z, s = later
         store_tile(Y, P, LOCKS, acc[None, :], tl.arange(0, 1)[:, None], n[None, :], n_ok[None, :], 1, N, pn)
 
     @triton.jit
@@ -260,18 +247,17 @@ def _launch(x2: torch.Tensor, qweight, zeros, scales, group: int, choice) -> tor
     bk = block_k(group, K)
     blocks = triton.cdiv(K, bk)
     slices = triton.cdiv(blocks, min(ks, blocks))
-    block_m = 1 if kind in ROW_FORMS else 16 if M <= 16 else bucket(M)
+    block_m = 1 if kind == "row" else 16 if M <= 16 else bucket(M)
     out, part, locks = output(M, N, slices, triton.cdiv(N, block_n) * triton.cdiv(M, block_m), x2)
     args = (x2, qweight, zeros, scales, out, part, locks, M, N, K, K if group == -1 else group, x2.stride(0),
             qweight.stride(0), zeros.stride(0), scales.stride(0))
-    if kind in ROW_FORMS:
+    if kind == "row":
         if M != 1:
             raise ValueError(f"the row form serves one row, not {M}")
         even = N % block_n == 0 and K % bk == 0 and qweight.shape[0] * qweight.stride(0) < 2**31
         _w4a16_row[(triton.cdiv(N, block_n), slices)](*args, NIBBLE, KS=min(ks, blocks), BLOCK_N=block_n,
-                                                      BLOCK_K=bk, EVEN=even, AHEAD=ROW_FORMS[kind][0],
-                                                      STAGES=stages if ROW_FORMS[kind][1] else 1,
-                                                      num_warps=warps, num_stages=stages, **pdl(x2))
+                                                      BLOCK_K=bk, EVEN=even, STAGES=stages, num_warps=warps,
+                                                      num_stages=stages, **pdl(x2))
     elif kind == "dot8":  # (its dots' K is BLOCK_K / 8: tensor cores need 16)
         if bk < 128:
             raise ValueError(f"dot8 needs 128-row K-blocks, not {bk}")
@@ -322,7 +308,7 @@ def tune(lin, rows: int) -> tuple:
                 return False
 
         kinds = [k for k in CONFIGS if (k != "dot8" or block_k(lin.group_size, K) == 128)
-                 and (k not in ROW_FORMS or rows == 1)]
+                 and (k != "row" or rows == 1)]
         good = [(k, c) for k in kinds for c in CONFIGS[k] if agrees((k, c))] or [("dot", CONFIGS["dot"][0])]
         _chosen[key] = fastest(good, run)
     return _chosen[key]

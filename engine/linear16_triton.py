@@ -38,7 +38,7 @@ CUBLAS = None  # the choice "F.linear"
 CANDIDATES = {
     1: [("rows", (64, 4, 4, 3)), ("rows", (64, ALL, 8, 3)), ("rows", (64, 8, 4, 4)), ("rows", (64, 16, 8, 4)),
         ("rows", (32, 2, 4, 3)), ("rows", (16, 1, 4, 3)), ("dot", (64, 4, 4, 3)), ("dot", (64, ALL, 4, 3))]
-    + [("stream", c) for c in CONFIGS["stream"]] + [("stream_staged", c) for c in CONFIGS["stream_staged"]],
+    + [("stream", c) for c in CONFIGS["stream"]],
     4: [("dot", (64, 4, 4, 3)), ("dot", (64, 16, 4, 4)), ("dot", (64, ALL, 4, 3)), ("dot", (32, 2, 4, 3)),
         ("dot", (16, 2, 2, 3))],
 }

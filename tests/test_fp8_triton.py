@@ -46,13 +46,6 @@ def _fp8(n, k, device, seed=0):
     # one row, runs of BLOCK_K columns: whole tiles with K in two slices, and partial edge tiles in N and K
     (256, 1024, 1, ("stream", (16, 2, 4, 3, 256))),
     (200, 300, 1, ("stream", (8, 1 << 20, 4, 3, 512))),
-    # the same with the next tile loaded ahead: in slices of two, of one, and unsplit over partial edge tiles
-    (256, 1024, 1, ("stream_ahead", (16, 2, 4, 3, 256))),
-    (256, 1024, 1, ("stream_ahead", (16, 1, 4, 3, 256))),
-    (200, 300, 1, ("stream_ahead", (8, 1 << 20, 4, 3, 128))),
-    # staged through shared memory (cp.async on CUDA), in slices and unsplit over partial edge tiles
-    (256, 1024, 1, ("stream_staged", (16, 2, 4, 3, 256))),
-    (200, 300, 1, ("stream_staged", (8, 1 << 20, 4, 2, 128))),
 ])
 def test_the_kernel_equals_the_dequantized_matmul(triton_device, n, k, rows, config):
     from engine import fp8_triton
@@ -67,8 +60,7 @@ def test_the_kernel_equals_the_dequantized_matmul(triton_device, n, k, rows, con
 
 
 @pytest.mark.parametrize("rows,config", [(1, ("rows", (32, 1, 4, 3))), (5, ("rows", (64, 2, 4, 4))),
-                                         (3, ("dot", (32, 2, 4, 4))), (1, ("stream", (8, 1, 4, 3, 128))),
-                                         (1, ("stream_staged", (8, 4, 4, 3, 128)))])
+                                         (3, ("dot", (32, 2, 4, 4))), (1, ("stream", (8, 1, 4, 3, 128)))])
 def test_the_kernels_stream_a_16_bit_weight_as_f_linear_computes(triton_device, rows, config):
     """No scale: the same kernels over a bf16 / fp16 weight (the 16-bit linears cuBLAS is slow at), K split in
     slices over a partial edge block."""

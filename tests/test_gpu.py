@@ -16,8 +16,7 @@ def tokens(engine, prompt, depth, drafter=None, n=32):
 
 
 @pytest.mark.parametrize("name", ["next", "next_moe", "q35", "q35_moe"])
-def test_fla_float32_speculation_equals_plain_and_cpu(name, ckpt, monkeypatch):
-    monkeypatch.setenv("MTPCHAT_CYCLE_GRAPHS", "1")  # (greedy MTP cycles as cycle graphs: engine/graphs.py)
+def test_fla_float32_speculation_equals_plain_and_cpu(name, ckpt):
     gpu = load_engine(str(ckpt(name)), device="cuda", dtype="float32")
     cpu = load_engine(str(ckpt(name)), device="cpu", dtype="float32")
     try:
@@ -35,8 +34,7 @@ def test_fla_float32_speculation_equals_plain_and_cpu(name, ckpt, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["next", "q35_moe"])
-def test_cuda_graphs_certified_and_lossless(name, ckpt, monkeypatch):
-    monkeypatch.setenv("MTPCHAT_CYCLE_GRAPHS", "1")  # (greedy MTP cycles as cycle graphs: engine/graphs.py)
+def test_cuda_graphs_certified_and_lossless(name, ckpt):
     eager = load_engine(str(ckpt(name)), device="cuda", dtype="float32", cuda_graphs=False)
     graphs = load_engine(str(ckpt(name)), device="cuda", dtype="float32", cuda_graphs=True)
     prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
@@ -62,8 +60,10 @@ def test_cuda_graphs_certified_and_lossless(name, ckpt, monkeypatch):
 
     cycles = [ev for ev in graphs.generate(prompt, GenerationSettings(max_new_tokens=16, depth=3, ignore_eos=True))
               if isinstance(ev, Cycle)]
-    assert all(c.phase_ms["refresh"] > 0 and c.phase_ms["verify"] > 0 for c in cycles[1:-1])
-    assert all(c.phase_ms["draft"] > 0 and c.phase_ms["commit"] > 0 for c in cycles[2:-1])
+    # (each call reports the cycle it launches ahead: the next-to-last cannot launch the last, too near the
+    # reply's end, which then runs on the host's path in its own call)
+    assert all(c.phase_ms["refresh"] > 0 and c.phase_ms["verify"] > 0 for c in cycles[1:-2])
+    assert all(c.phase_ms["draft"] > 0 and c.phase_ms["commit"] > 0 for c in cycles[2:-2])
     captures = (report["captures"], refreshing["captures"], whole["captures"])
     tokens(graphs, prompt, 3)  # a further request re-uses the captured graphs: no re-capture
     again = graphs.diagnostics()["compile"]["cuda_graphs"]

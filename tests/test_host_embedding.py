@@ -150,8 +150,7 @@ def prefill_logits(engine, prompt) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_host_table_exact_in_graphs_and_off_the_gpu(ckpt, dtype, monkeypatch):
-    monkeypatch.setenv("MTPCHAT_CYCLE_GRAPHS", "1")  # (greedy MTP cycles as cycle graphs: engine/graphs.py)
+def test_host_table_exact_in_graphs_and_off_the_gpu(ckpt, dtype):
     path = str(ckpt("next"))  # its lm_head is its own: the table may leave the GPU
     warm = load_engine(path, device="cuda", dtype=dtype, cuda_graphs=True, embed_on_host="off")  # noqa: F841
     torch.cuda.synchronize()  # (the first load's one-off allocations, e.g. cuBLAS's workspace, before measuring)

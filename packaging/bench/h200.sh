@@ -53,8 +53,9 @@
 #                                         # slice in bf16, --compile
 #   bash packaging/bench/h200.sh where80  # kernels of one 80B-A3B slice step (bf16, --compile, the 16-bit Triton
 #                                         # linears); the demo model's cycles: wall vs GPU busy
-#   bash packaging/bench/h200.sh ahead    # the Int4 row form and the stream form: next block ahead, or staged
-#   bash packaging/bench/h200.sh ahead27b # the 27B shape in Int4 and FP8, --compile, those forms among the timed ones
+#   bash packaging/bench/h200.sh ahead    # every one-row form per call (Int4 row with its staged configurations,
+#                                         # FP8 and 16-bit stream)
+#   bash packaging/bench/h200.sh ahead27b # the 27B shape in Int4 and FP8, --compile, depths 0 and 3
 #   bash packaging/bench/h200.sh cycles   # the demo model with cycle graphs and without (MTPCHAT_CYCLE_GRAPHS=0);
 #                                         # GPU tests; with cycle graphs and --compile
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
@@ -246,12 +247,12 @@ int4rows)  # issue #29 (about 8 minutes): the CUDA-core W4A16 form per call agai
         --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
         --out "$OUT/bench27b_int4_row_h200.json"
   ;;
-ahead)  # issues #29 / #23 (about 3 minutes): the Int4 row form and the FP8 / 16-bit stream form with their next
-  # block loaded ahead or staged through shared memory (cp.async), per call at one row
+ahead)  # issues #29 / #23 (about 3 minutes): the one-row forms per call, the Int4 row form's configurations staged
+  # through shared memory (cp.async) among them
   timeout ${KERNEL_LIMIT:-240} python3 packaging/bench/quant_kernels.py --quant int4,fp8,bf16 --rows 1 \
         --json "$OUT/quant_kernels_ahead_h200.json" 2>&1 | grep -E "rows [0-9]+:|Error" | tee "$OUT/quant_kernels_ahead.txt"
   ;;
-ahead27b)  # issues #29 / #23 (about 8 minutes): the 27B shape in Int4 and in FP8, --compile, with the forms above
+ahead27b)  # issues #29 / #23 (about 8 minutes): the 27B shape in Int4 and in FP8, --compile
   for q in int4 fp8; do
     BENCH_TIMEOUT=260 bench --random-weights qwen3.5-27b --quant $q --compile --depths 0,3 --drafter oracle \
           --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_${q}_ahead_h200.json"

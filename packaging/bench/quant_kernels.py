@@ -54,7 +54,7 @@ def fp8_case(n: int, k: int):
 
 def bf16_case(n: int, k: int):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    configs = {kind: c + (NARROW if kind not in fp8_triton.STREAMS else []) for kind, c in fp8_triton.CONFIGS.items()}
+    configs = {kind: c + (NARROW if kind != "stream" else []) for kind, c in fp8_triton.CONFIGS.items()}
     return (lambda x, choice: fp8_triton._launch(x, w, None, choice)), configs, w.numel() * 2
 
 
@@ -78,8 +78,7 @@ def main():
                 row = {"quant": quant, "shape": name, "N": n, "K": k, "rows": rows,
                        "bf16_ms": graph_ms(lambda: F.linear(x, w16))}
                 for kind, choices in configs.items():
-                    one_row = kind in int4_triton.ROW_FORMS or kind in fp8_triton.STREAMS
-                    if ((rows > 8 and not kind.startswith("dot")) or (one_row and rows > 1)
+                    if ((rows > 8 and not kind.startswith("dot")) or (kind in ("row", "stream") and rows > 1)
                             or (kind, quant) == ("dotbits", "bf16")):
                         continue
                     timed = {}
