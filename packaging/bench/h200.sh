@@ -325,7 +325,7 @@ cycles)  # issue #28: the demo model's cycles as one graph each, launched ahead 
   done
   gpu_tests 150 "$OUT/gpu_tests.log" tests/test_gpu.py tests/test_host_embedding.py
   # compiled layers inside the graphs: fewer kernel nodes a cycle on a model this small
-  MTPCHAT_CYCLE_GRAPHS=1 BENCH_TIMEOUT=150 bench --model engine/assets/demo --compile --depths 0,2,3,4 --drafter mtp \
+  BENCH_TIMEOUT=150 bench --model engine/assets/demo --compile --depths 0,2,3,4 --drafter mtp \
         --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_cycles_compile_h200.json"
   ;;
 suite)  # the test modules that load engines, on a CUDA host, four processes at once (each ${SUITE_LIMIT:-500} s at
