@@ -52,9 +52,9 @@ CONFIGS = {  # (pruned to the configurations that won some shape and width on th
     "dot": [(64, 8, 4, 3), (128, 4, 4, 3), (128, 8, 4, 3), (128, 16, 8, 3), (64, ALL, 4, 3)],
     "dot8": [(64, 8, 4, 3), (128, 8, 4, 3), (128, 4, 4, 3), (128, 16, 8, 3)],
     # (a thread's share of the tile: BLOCK_N * 16 words / (32 * warps): 64 words ran ten times slower than 16;
-    # stages: 1 loads each block as it comes, 2-4 stage the next blocks' words through shared memory)
-    "row": [(64, 4, 2, 1), (32, 4, 1, 1), (64, 8, 4, 1), (128, 4, 2, 1), (64, 4, 4, 1),
-            (64, 4, 2, 2), (32, 8, 1, 3), (64, 16, 2, 3), (32, 8, 1, 4), (32, 16, 1, 3), (32, 8, 2, 3)],
+    # stages: 1 loads each block as it comes, 3 stages the next two blocks' words through shared memory: the two
+    # staged winners of eight, quant_kernels_ahead_h100.json)
+    "row": [(64, 4, 2, 1), (32, 4, 1, 1), (64, 8, 4, 1), (128, 4, 2, 1), (64, 4, 4, 1), (32, 8, 1, 3), (64, 16, 2, 3)],
 }
 _chosen: dict[tuple, tuple] = {}  # (N, K, group, bucket, device index) -> the timed (kernel, configuration)
 

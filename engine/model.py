@@ -132,8 +132,9 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, 
         if path == "triton" and (isinstance(keys, tuple) or keys.shape[2] > TRITON_MIN_CAPACITY):
             # the filled length only (attention_triton); an fp8 cache at every capacity: its codes are converted
             # in registers, where the masked form would dequantize the whole capacity each step
-            (keys, ks), (values, vs) = (keys, values) if isinstance(keys, tuple) else ((keys, None), (values, None))
-            if ks is not None:  # (the codes' bytes as e4m3)
+            ks = vs = None
+            if isinstance(keys, tuple):  # (the codes' bytes as e4m3, and their scales)
+                (keys, ks), (values, vs) = keys, values
                 keys, values = keys.view(FP8), values.view(FP8)
             o = torch.ops.mtpchat.decode_attention(q, keys, values, pos, attn.scaling, ks, vs)
         else:

@@ -15,9 +15,12 @@ import shutil
 from functools import lru_cache
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine import load_engine
+from engine.context import KV_DTYPE_ENV
 from engine.events import Tokens
 from engine.fp8 import NOT_CONVERTED as FP8_NOT_CONVERTED
 from engine.fp8 import eligible as fp8_eligible
@@ -514,3 +517,11 @@ def write_fp8_checkpoint(src: Path, dst: Path, twin: Path) -> tuple[Path, Path]:
                                    "weight_block_size": [128, 128], "modules_to_not_convert": FP8_NOT_CONVERTED}
     (dst / "config.json").write_text(json.dumps(conf, indent=2))
     return dst, twin
+
+
+def load_with_kv_cache(kv_cache: str, path: str, **kw):
+    """load_engine with --kv-cache-dtype `kv_cache`: the environment variable every trunk reads as it is built
+    (model.choose_kv_cache), set for the load only."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KV_DTYPE_ENV, kv_cache)
+        return load_engine(path, **kw)

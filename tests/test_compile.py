@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from engine import kernels, load_engine
+from engine import kernels
+from fixtures import load_with_kv_cache
 
 standin_recurrent = torch.compiler.disable(kernels.torch_recurrent)
 standin_chunk = torch.compiler.disable(kernels.torch_chunk)
@@ -20,9 +21,7 @@ def engine(ckpt, monkeypatch, request):
     quantizing writes, byte views and dequantization inside the compiled graphs too)."""
     name, _, kv = request.param.partition(":")
     monkeypatch.setitem(kernels.IMPLEMENTATIONS, "standin", (standin_recurrent, standin_chunk))
-    with monkeypatch.context() as m:
-        m.setenv("MTPCHAT_KV_CACHE_DTYPE", kv or "auto")
-        eng = load_engine(str(ckpt(name)), device="cpu")
+    eng = load_with_kv_cache(kv or "auto", str(ckpt(name)), device="cpu")
     assert eng.caches.kv.fp8 == (kv == "fp8")
     eng.trunk.backends.gdn_recurrent = kernels.Kernel("standin", False)
     eng.trunk.backends.gdn_chunk = kernels.Kernel("standin", True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from faults import FaultAt, handed_out
-from fixtures import _add_tensors, oom, write_checkpoint
+from fixtures import _add_tensors, load_with_kv_cache, oom, write_checkpoint
 
 import engine
 from engine import AUTO, GenerationSettings, load_engine
@@ -39,9 +39,7 @@ def demo():
     def get(name):
         if name not in made:
             runner, _, kv = name.partition(":")
-            with pytest.MonkeyPatch.context() as m:
-                m.setenv("MTPCHAT_KV_CACHE_DTYPE", kv or "auto")
-                made[name] = load_engine(DEMO, cuda_graphs=runner == "graphs")
+            made[name] = load_with_kv_cache(kv or "auto", DEMO, cuda_graphs=runner == "graphs")
         return made[name]
 
     return get

@@ -13,7 +13,7 @@ import engine as engine_pkg
 from engine import load_engine
 from engine.cache import KVCache, dequantize_kv, kv_write, quantize_kv
 from engine.context import KV_DTYPE_ENV
-from fixtures import memo
+from fixtures import load_with_kv_cache, memo
 from test_exactness import FAMILIES, PROMPTS, assert_mtp_drafts_accepted_and_rejected, assert_speculation_equals_plain
 from test_exactness import decode
 
@@ -21,9 +21,7 @@ DEMO = str(Path(engine_pkg.__file__).parent / "assets" / "demo")
 
 
 def load_fp8(path: str, **kw):
-    with pytest.MonkeyPatch.context() as mp:  # (every trunk reads it as it is built: model.choose_kv_cache)
-        mp.setenv(KV_DTYPE_ENV, "fp8")
-        engine = load_engine(path, **{"device": "cpu", **kw})
+    engine = load_with_kv_cache("fp8", path, **{"device": "cpu", **kw})
     assert engine.caches.kv.fp8 and engine.caches.kv.k.element_size() == 1
     assert engine.trunk.backends.choice["kv_cache"][0] == "fp8"
     return engine
