@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from .fp8 import BLOCK, FP8Linear, dequantize
 from .kernels import relative_error
-from .splitk import INTERPRET, bucket, fastest, output, pdl, triton
+from .splitk import INTERPRET, bucket, fastest, linear_by_columns, output, pdl, triton
 
 if triton is not None:
     import triton.language as tl
@@ -268,7 +268,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.
     cuBLAS."""
     if x.numel() // x.shape[-1] <= MAX_ROWS:
         return fp8_linear_op(x, weight, scale)
-    return F.linear(x, dequantized(weight, scale, x.dtype))
+    x2 = x.reshape(-1, x.shape[-1])
+    y = linear_by_columns(x2, weight.shape[0], weight.shape[1],
+                          lambda start, end: dequantized(weight[start:end], scale[start // BLOCK:], x.dtype))
+    return y.view(*x.shape[:-1], -1)
 
 
 def matmul_a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -33,10 +33,9 @@ Behind the custom op mtpchat::int4_linear (opaque to torch.compile, replayable i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .kernels import relative_error
-from .splitk import bucket, fastest, output, pdl, triton
+from .splitk import bucket, fastest, linear_by_columns, output, pdl, triton
 
 if triton is not None:
     import triton.language as tl
@@ -337,8 +336,11 @@ def forward(lin, x: torch.Tensor) -> torch.Tensor:
     if lin.perm is not None:
         x2 = x2.index_select(1, lin.perm)
     if x2.shape[0] > MAX_ROWS:
-        w = dequantize(lin.qweight, lin.zeros, lin.scales, lin.group_size, x.dtype)
-        return F.linear(x2, w).view(*shape[:-1], -1)
+        def columns(start: int, end: int) -> torch.Tensor:
+            return dequantize(lin.qweight[:, start:end], lin.zeros[:, start:end], lin.scales[:, start:end],
+                              lin.group_size, x.dtype)
+
+        return linear_by_columns(x2, lin.qweight.shape[1], x2.shape[1], columns).view(*shape[:-1], -1)
     return int4_linear(x2, lin.qweight, lin.zeros, lin.scales, lin.group_size).view(*shape[:-1], -1)
 
 

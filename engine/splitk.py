@@ -12,6 +12,7 @@ import os
 from typing import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -151,3 +152,23 @@ def fastest(choices: Iterable, run: Callable) -> object:
     if not timed:
         raise RuntimeError("no kernel configuration ran")
     return min(timed, key=timed.get)
+
+
+# A prefill chunk's widths are past the kernels (MAX_ROWS): the weight is dequantized to 16 bits for cuBLAS. Whole,
+# the 27B shape's gate / up projection is a 0.36 GB temporary, the largest block of the Int4 model's 32k-prompt
+# peak once FLA's intermediates are sliced; in column blocks of at most this many bytes it is a fifth of that, and
+# each block's matmul (thousands of rows and columns) still runs at cuBLAS's speed.
+DEQUANTIZED_BYTES = 64 << 20
+
+
+def linear_by_columns(x2: torch.Tensor, n: int, k: int, columns: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """x2 [M, K] times a weight of n output columns that columns(start, end) dequantizes ([end - start, K] in x2's
+    dtype), a block of 128-aligned columns at a time: [M, n]."""
+    step = max(128, DEQUANTIZED_BYTES // (k * x2.element_size()) // 128 * 128)
+    if step >= n:
+        return F.linear(x2, columns(0, n))
+    out = x2.new_empty(x2.shape[0], n)
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        out[:, start:end] = F.linear(x2, columns(start, end))
+    return out

@@ -114,6 +114,21 @@ def test_the_dequantizing_kernel_rounds_as_fp8_dequantize(triton_device, n, k):
     assert torch.equal(fp8_triton.dequantized(w, s, dtype), dequantize(w, s, dtype))
 
 
+def test_a_long_prefill_meets_the_weight_a_block_of_columns_at_a_time(triton_device, monkeypatch):
+    """Wider than the kernels: the weight dequantized 128 rows (output columns) and their scale row at a time."""
+    from engine import fp8_triton, splitk
+
+    dtype = torch.bfloat16 if triton_device.type == "cuda" else torch.float16
+    w, s = _fp8(328, 256, triton_device, seed=5)  # a partial last block of 72 rows
+    x = torch.randn(fp8_triton.MAX_ROWS + 1, 256, generator=torch.Generator().manual_seed(5)).to(triton_device, dtype)
+    whole = fp8_triton.matmul(x, w, s)
+    monkeypatch.setattr(splitk, "DEQUANTIZED_BYTES", 1)
+    blocks = fp8_triton.matmul(x, w, s)
+    ref = F.linear(x.float(), dequantize(w, s, torch.float32))
+    for got in (whole, blocks):
+        assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
 def test_install_swaps_the_forward_after_its_self_check(triton_device):
     from engine import fp8_triton
 

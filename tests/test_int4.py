@@ -447,9 +447,11 @@ def test_a_bad_mtp_tensor_falls_back_to_plain_decoding(int4_ckpt, tmp_path):
 @pytest.mark.parametrize("k, n, group_size, act, rows", [(256, 96, 32, False, 1), (256, 72, 128, True, 4),
                                                          (384, 64, -1, False, 16), (192, 40, 64, True, 5),
                                                          (256, 48, 64, False, 40), (128, 40, 128, True, 260),
-                                                         (384, 48, -1, True, 1)])
-def test_w4a16_kernel_equals_the_dequantized_reference(triton_device, k, n, group_size, act, rows):
-    from engine import int4_triton
+                                                         (384, 48, -1, True, 1), (128, 264, 32, True, 260)])
+def test_w4a16_kernel_equals_the_dequantized_reference(triton_device, k, n, group_size, act, rows, monkeypatch):
+    from engine import int4_triton, splitk
+
+    monkeypatch.setattr(splitk, "DEQUANTIZED_BYTES", 1)  # a long prefill's weight dequantized 128 columns at a time
 
     dev = triton_device
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
@@ -480,6 +482,26 @@ def test_w4a16_kernel_equals_the_dequantized_reference(triton_device, k, n, grou
             alone = int4_triton._launch(xs[:1], lin.qweight, lin.zeros, lin.scales, lin.group_size, choice)
             assert torch.equal(alone, batch[:1]), choice
             assert (batch.float() - ref[0]).abs().max().item() < 2e-2 * ref.abs().max().item(), choice
+
+
+def test_wide_inputs_meet_the_weight_a_block_of_columns_at_a_time(monkeypatch):
+    from engine import splitk
+
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(300, 64, generator=gen), torch.randn(300, 64, generator=gen)
+    asked = []
+
+    def columns(start, end):
+        asked.append((start, end))
+        return w[start:end]
+
+    assert torch.equal(splitk.linear_by_columns(x, 300, 64, columns), torch.nn.functional.linear(x, w))
+    assert asked == [(0, 300)]  # under the byte budget: whole
+    monkeypatch.setattr(splitk, "DEQUANTIZED_BYTES", 129 * 64 * 4)  # room for 129 columns: blocks of 128
+    asked.clear()
+    got = splitk.linear_by_columns(x, 300, 64, columns)
+    assert asked == [(0, 128), (128, 256), (256, 300)]
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-6, atol=1e-5)
 
 
 def test_4_bit_projections_that_read_one_input_are_fused(int4_engine):

@@ -59,7 +59,8 @@
 #   bash packaging/bench/h200.sh cycles   # the demo model with cycle graphs and without (MTPCHAT_CYCLE_GRAPHS=0);
 #                                         # GPU tests; with cycle graphs and --compile
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
-#                                         # it, Int4 decoding after an 8k prompt with and without it
+#                                         # it, Int4 decoding after an 8k prompt with and without it; FLA's chunked
+#                                         # kernel whole or in slices
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
 # the device's python3 has none of them.
 # Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
@@ -268,8 +269,11 @@ memory)  # issue #29 (about 8 minutes): the GPU tests of the quantized paths and
   timeout 300 python3 packaging/bench/memory_peak.py --random-weights qwen3.5-27b --quant int4 --prompt-tokens 32768 \
         --compile --warm-depths 0,3 --json "$OUT/memory_peak_int4_32k_h200.json" 2>&1 | grep -v Warn | tail -30
   ;;
-kvfp8)  # about 8 minutes: the fp8 KV cache (cache.py) on a GPU for the first time
-  gpu_tests 150 "$OUT/gpu_tests_kvfp8.log" tests/test_kv_fp8.py tests/test_attention_triton.py
+kvfp8)  # about 9 minutes: the fp8 KV cache (cache.py) on a GPU for the first time; FLA's chunked kernel in slices
+  # and the dequantized weight in column blocks (the 32k peak's two largest temporaries)
+  gpu_tests 130 "$OUT/gpu_tests_kvfp8.log" tests/test_kv_fp8.py tests/test_attention_triton.py tests/test_gpu.py \
+        tests/test_int4.py tests/test_fp8_triton.py -k "fp8 or attention or slices or block_of_columns or w4a16_kernel"
+  timeout 50 python3 packaging/bench/gdn_prefill_split.py --json "$OUT/gdn_prefill_split_h200.json" 2>&1 | tail -5
   MTPCHAT_KV_CACHE_DTYPE=fp8 timeout 240 python3 packaging/bench/memory_peak.py --random-weights qwen3.5-27b \
         --quant int4 --prompt-tokens 32768 --compile --warm-depths 0,3 \
         --json "$OUT/memory_peak_int4_32k_fp8kv_h200.json" 2>&1 | grep -v Warn | tail -30
