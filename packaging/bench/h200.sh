@@ -322,7 +322,10 @@ bits)  # about 7 minutes
   BENCH_TIMEOUT=240 bench --random-weights qwen3.5-27b --quant fp8 --compile --depths 0,3 --drafter oracle \
         --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_fp8_dotbits_h200.json"
   ;;
-cycles)  # issue #28: the demo model's cycles as one graph each, launched ahead of the host's read (about 6 minutes)
+cycles)  # issue #28: the demo model's cycles as one graph each, launched ahead of the host's read (about 8 minutes)
+  # (first: which kernels a plain step and a depth-3 cycle launch, by name)
+  timeout 100 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
+        --json "$OUT/cycle_demo_cycles_h200.json" 2>&1 | grep depth
   for way in 1 0; do
     MTPCHAT_CYCLE_GRAPHS=$way bench --model engine/assets/demo --depths 0,2,3,4 --drafter mtp --max-new-tokens 256 \
           --repeat 3 --no-hf --out "$OUT/bench_demo_cycles_${way}_h200.json"

@@ -30,18 +30,19 @@ def generate(engine: Engine, depth: int, n: int) -> int:
     return cycles
 
 
-def busy_ms(events) -> tuple[float, int, dict]:
-    """GPU busy time (union of kernel intervals, ms), kernel count, and ms per kernel family."""
+def busy_ms(events) -> tuple[float, int, dict, dict]:
+    """GPU busy time (union of kernel intervals, ms), kernel count, ms per kernel family, launches per name."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    total, end, fam = 0.0, -1.0, {}
+    total, end, fam, named = 0.0, -1.0, {}, {}
     for a, b, name in spans:
         if b > end:
             total += b - max(a, end)
             end = b
         key = name.split("<")[0][:60]
         fam[key] = fam.get(key, 0.0) + (b - a) / 1e3
-    return total / 1e3, len(spans), fam
+        named[name[:150]] = named.get(name[:150], 0) + 1
+    return total / 1e3, len(spans), fam, named
 
 
 def host_time(engine: Engine, depth: int, n: int) -> dict:
@@ -94,12 +95,14 @@ def main(argv=None) -> int:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             generate(engine, depth, args.tokens)
             torch.cuda.synchronize()
-        busy, kernels, fam = busy_ms(prof.events())
+        busy, kernels, fam, named = busy_ms(prof.events())
         top = sorted(fam.items(), key=lambda kv: -kv[1])[:8]
+        most = sorted(named.items(), key=lambda kv: -kv[1])[:40]  # which launches a cycle repeats: copies, wheres
         row = {"depth": depth, "tokens": args.tokens, "cycles": cycles, "wall_ms_per_token": wall / args.tokens,
                "wall_ms_per_cycle": wall / cycles, "gpu_busy_ms_per_cycle": busy / cycles,
                "gpu_busy_fraction": busy / wall, "kernels_per_cycle": kernels / cycles,
-               "top_kernels_ms_per_cycle": {k: v / cycles for k, v in top}}
+               "top_kernels_ms_per_cycle": {k: v / cycles for k, v in top},
+               "launches_per_cycle_by_name": {k: v / cycles for k, v in most}}
         if args.host:
             row["host"] = host_time(engine, depth, args.tokens)
         rows.append(row)
