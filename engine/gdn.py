@@ -130,10 +130,13 @@ def verify(mixer, x, conv, recurrent, backends, rows: tuple) -> torch.Tensor:
     window[:, K1:] = mixed[0]
     qkv, g, beta = kernel_inputs(mixer, window.unsqueeze(0), T, b, a)
     q, k, v = split_qkv(qkv, heads(mixer))
-    for buf, t in ((sq, q), (sk, k), (sv, v), (sg, g), (sbeta, beta)):
+    stashed = (sq, sk, sv, sg, sbeta)
+    for buf, t in zip(stashed, (q, k, v, g, beta)):
         buf[:T] = t[0]
-    # (verify widths are a few tokens, limits.MAX_DEPTH + 1 at most: the recurrent kernel; prefill takes the chunked)
-    core = backends.gdn_recurrent.verify(q, k, v, g, beta, recurrent, sfinal.unsqueeze(0))
+    # The kernel reads its inputs from the stash: contiguous rows, where q, k, v are strided views of the conv
+    # output that the FLA kernel would copy again (three launches a layer). (Verify widths are a few tokens,
+    # limits.MAX_DEPTH + 1 at most: the recurrent kernel; prefill takes the chunked.)
+    core = backends.gdn_recurrent.verify(*(buf[:T].unsqueeze(0) for buf in stashed), recurrent, sfinal.unsqueeze(0))
     return output(mixer, core, z)
 
 
