@@ -270,18 +270,25 @@ memory)  # issue #29 (about 8 minutes): the GPU tests of the quantized paths and
         --compile --warm-depths 0,3 --json "$OUT/memory_peak_int4_32k_h200.json" 2>&1 | grep -v Warn | tail -30
   ;;
 kvfp8)  # under 10 minutes: the fp8 KV cache (cache.py) on a GPU for the first time; FLA's chunked kernel in slices
-  # and the dequantized weight in column blocks (the 32k peak's two largest temporaries)
-  gpu_tests 110 "$OUT/gpu_tests_kvfp8.log" tests/test_kv_fp8.py tests/test_attention_triton.py tests/test_gpu.py \
-        tests/test_int4.py tests/test_fp8_triton.py -k "fp8 or attention or slices or block_of_columns or w4a16_kernel"
+  # and the dequantized weight in column blocks (the 32k peak's two largest temporaries); then, as time allows, the
+  # demo model's cycles (#28) and the 8k decode with and without the fp8 cache
+  gpu_tests 130 "$OUT/gpu_tests_kvfp8.log" tests/test_kv_fp8.py tests/test_attention_triton.py tests/test_gpu.py \
+        tests/test_int4.py tests/test_fp8_triton.py \
+        -k "fp8 or attention or slices or block_of_columns or w4a16_kernel or lossless or graphs"
   MTPCHAT_KV_CACHE_DTYPE=fp8 timeout 240 python3 packaging/bench/memory_peak.py --random-weights qwen3.5-27b \
         --quant int4 --prompt-tokens 32768 --compile --warm-depths 0,3 \
         --json "$OUT/memory_peak_int4_32k_fp8kv_h200.json" 2>&1 | grep -v Warn | tail -30
   timeout 40 python3 packaging/bench/gdn_prefill_split.py --json "$OUT/gdn_prefill_split_h200.json" 2>&1 | tail -5
-  for kv in auto fp8; do  # (as long as the call's 10 minutes allow)
-    left=$((570 - SECONDS)); [ $left -gt 60 ] || break
-    MTPCHAT_KV_CACHE_DTYPE=$kv BENCH_TIMEOUT=$((left < 100 ? left : 100)) bench --random-weights qwen3.5-27b \
-        --quant int4 --compile --depths 0,3 --drafter oracle --acceptance 1.0 --prompt-tokens 8192 \
-        --max-new-tokens 64 --no-hf --out "$OUT/bench27b_int4_8k_kv${kv}_h200.json"
+  left() { echo $((570 - SECONDS)); }
+  [ $(left) -gt 70 ] && BENCH_TIMEOUT=70 bench --model engine/assets/demo --depths 0,2,3,4 --drafter mtp \
+        --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_cycles_1_h200.json"
+  [ $(left) -gt 60 ] && timeout 60 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
+        --json "$OUT/cycle_demo_cycles_h200.json" 2>&1 | grep depth
+  for kv in auto fp8; do
+    [ $(left) -gt 200 ] || break
+    MTPCHAT_KV_CACHE_DTYPE=$kv BENCH_TIMEOUT=100 bench --random-weights qwen3.5-27b --quant int4 --compile \
+        --depths 0,3 --drafter oracle --acceptance 1.0 --prompt-tokens 8192 --max-new-tokens 64 --no-hf \
+        --out "$OUT/bench27b_int4_8k_kv${kv}_h200.json"
   done
   ;;
 gdn)
