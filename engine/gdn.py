@@ -68,16 +68,29 @@ def heads(mixer) -> list[int]:
     return [mixer.num_k_heads, mixer.head_k_dim, mixer.num_v_heads, mixer.head_v_dim]
 
 
-def kernel_inputs(mixer, window: torch.Tensor, T: int, b, a):
-    """Short causal conv over [K-1 past inputs | T new inputs] -> qkv [1, T, C] (split_qkv), g, beta."""
+def keep_gate_constants(layers) -> None:
+    """Each GDN mixer's decay rate -exp(A_log) and dt_bias in float32, once at load (buffers, not in the state
+    dict): every step computed the first anew and converted the gate input to float32 apart, three launches a
+    layer. The same float32 values as transformers' -A_log.float().exp() * softplus(a.float() + dt_bias)."""
+    for layer in layers:
+        mixer = getattr(layer, "linear_attn", None)
+        if mixer is not None:
+            mixer.register_buffer("decay_rate", -mixer.A_log.float().exp(), persistent=False)
+            mixer.register_buffer("dt_bias_f32", mixer.dt_bias.float(), persistent=False)
+
+
+def kernel_inputs(mixer, window: torch.Tensor, T: int, b, a, out: tuple = (None, None)):
+    """Short causal conv over [K-1 past inputs | T new inputs] -> qkv [1, T, C] (split_qkv), g, beta. out: where
+    g and beta go ([1, T, Hv] each: a verify pass's stash rows), None for new tensors."""
     w, bias = mixer.conv1d.weight, mixer.conv1d.bias  # [C, 1, K]
     if T <= SHORT_CONV_AS_PRODUCTS:
         conv = (window.unfold(-1, w.shape[-1], 1) * w[:, None, 0]).sum(-1)
         conv = F.silu(conv if bias is None else conv + bias[:, None])
     else:
         conv = F.silu(F.conv1d(window, w, bias, groups=w.shape[0]))  # [1, C, T]
-    beta = b.sigmoid()
-    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+    beta = torch.sigmoid(b, out=out[1])
+    # (a + the float32 dt_bias: a is promoted to float32 inside the one kernel, exactly as a.float() would)
+    g = torch.mul(mixer.decay_rate, F.softplus(a + mixer.dt_bias_f32), out=out[0])
     return conv.transpose(1, 2), g, beta
 
 
@@ -128,15 +141,15 @@ def verify(mixer, x, conv, recurrent, backends, rows: tuple) -> torch.Tensor:
     window = swindow[:, : K1 + T]
     window[:, :K1] = conv
     window[:, K1:] = mixed[0]
-    qkv, g, beta = kernel_inputs(mixer, window.unsqueeze(0), T, b, a)
+    qkv, g, beta = kernel_inputs(mixer, window.unsqueeze(0), T, b, a, (sg[:T].unsqueeze(0), sbeta[:T].unsqueeze(0)))
     q, k, v = split_qkv(qkv, heads(mixer))
-    stashed = (sq, sk, sv, sg, sbeta)
-    for buf, t in zip(stashed, (q, k, v, g, beta)):
+    for buf, t in zip((sq, sk, sv), (q, k, v)):
         buf[:T] = t[0]
-    # The kernel reads its inputs from the stash: contiguous rows, where q, k, v are strided views of the conv
-    # output that the FLA kernel would copy again (three launches a layer). (Verify widths are a few tokens,
+    # The kernel reads q, k, v from the stash: contiguous rows, where they are strided views of the conv output
+    # that the FLA kernel would copy again (three launches a layer). (Verify widths are a few tokens,
     # limits.MAX_DEPTH + 1 at most: the recurrent kernel; prefill takes the chunked.)
-    core = backends.gdn_recurrent.verify(*(buf[:T].unsqueeze(0) for buf in stashed), recurrent, sfinal.unsqueeze(0))
+    core = backends.gdn_recurrent.verify(*(buf[:T].unsqueeze(0) for buf in (sq, sk, sv)), g, beta, recurrent,
+                                         sfinal.unsqueeze(0))
     return output(mixer, core, z)
 
 
