@@ -125,30 +125,13 @@ def fla_recurrent_into(q, k, v, g, beta, state, final, launch=RECURRENT_LAUNCH) 
     return o
 
 
-# FLA's chunked kernel keeps intermediates in proportion to its input's length (the 27B shape: 0.49 GB at a
-# 2,048-token prefill chunk, the largest block of the Int4 model's 32k-prompt peak after the KV cache). Longer
-# inputs go through it in slices of this many tokens, each from the state the slice before left: a quarter of
-# those intermediates, for a few more launches per layer. A multiple of FLA's 64-token chunks, so its chunk
-# boundaries stay where they were.
-FLA_SLICE = 512
-
-
 def fla_chunk(q, k, v, g, beta, state):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     # grouped value heads (HV > H) natively: value head i reads key head i // (HV // H), as _expand_heads does
-    def run(s: slice, state):
-        return chunk_gated_delta_rule(q[:, s], k[:, s], v[:, s], g=g[:, s], beta=beta[:, s], initial_state=state,
-                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
-
-    T = q.shape[1]
-    if T <= FLA_SLICE:
-        return run(slice(None), state)
-    out = v.new_empty(v.shape)
-    for start in range(0, T, FLA_SLICE):
-        s = slice(start, start + FLA_SLICE)
-        out[:, s], state = run(s, state)
-    return out, state
+    return chunk_gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
 
 
 # --- compile boundaries ------------------------------------------------------------------------------------

@@ -245,7 +245,8 @@ def choose_moe(trunk) -> None:
 
 
 def choose_norm(backends, modules, device, dtype) -> None:
-    """The plain RMSNorms' forward: one Triton kernel on CUDA in 16-bit (norm_triton.py), else the modules' own."""
+    """The RMSNorms' forward, plain and gated: one Triton kernel each on CUDA in 16-bit (norm_triton.py), else the
+    modules' own."""
     from .norm_triton import install
 
     why = install(modules, device, dtype)

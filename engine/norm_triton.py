@@ -6,6 +6,9 @@ engine runs its CUDA graphs without torch.compile by default, so each is a graph
 norms (two per layer, plus q / k norms per head) are a large share of a step's kernels. Here: one program per row,
 float32 accumulation, the same order of operations as the reference, the output in x's dtype.
 
+GDN's output norm (RMSNormGated: the norm rounded to x's dtype, times the weight, times silu(gate) in float32) is
+about twelve kernels a layer in transformers' form, one here (_gated_rms_norm_kernel, mtpchat::gated_rms_norm).
+
 The kernel sits behind the custom op mtpchat::rms_norm. install() swaps it into modules' forward, except while
 torch.compile traces: inductor fuses the eager math with its neighbours better than it can an opaque op. Block
 sizes and warps are picked from D (no autotuning: nothing to benchmark when first called in a graph warm-up).
@@ -68,6 +71,26 @@ if triton is not None:
                 tl.store(out_row + d0 + cols, (x * rstd * (shift + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, stride_x, stride_g, eps, D: tl.constexpr,
+                               BLOCK: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False):
+        """transformers' RMSNormGated (GDN's output norm), one program per row, in its order: the norm rounded to
+        x's dtype, times the weight (the product rounded again where the weight is 16-bit, as torch rounds it),
+        times silu(gate) in float32, rounded once more."""
+        after_previous(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) * y
+        if ROUND:
+            y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * D + cols, (y * (g / (1.0 + tl.exp(-g)))).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _num_warps(block: int) -> int:
     # 32 threads x 8 bf16 (16 bytes, one vector load each) cover 256 columns: a warp is enough for a head's norm
     return 1 if block <= 256 else 4 if block <= 2048 else 8
@@ -82,13 +105,44 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: float = 1.0
     rows = x.numel() // D if D else 0
     if rows == 0:
         return out
-    x2 = x.reshape(rows, D)  # a view where the leading dims collapse (q / k halves of a projection do)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = rows_of(x, D)  # (q / k halves of a projection collapse to a view)
     block = min(triton.next_power_of_2(D), MAX_BLOCK)
     _rms_norm_kernel[(rows,)](x2, weight.contiguous(), out, x2.stride(0), float(eps), float(shift), D=D, BLOCK=block,
                               num_warps=_num_warps(block), **pdl(x2))
     return out
+
+
+def rows_of(x: torch.Tensor, D: int) -> torch.Tensor:
+    """x [..., D] as [rows, D] with unit column stride: a view where the leading dims collapse, else a copy."""
+    x2 = x.reshape(-1, D)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def launch_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNormGated of x [..., D] with gate [..., D] and weight [D] (D up to MAX_BLOCK): a contiguous tensor of
+    x's shape and dtype."""
+    D = x.shape[-1]
+    assert gate.shape == x.shape and weight.shape == (D,) and D <= MAX_BLOCK, (x.shape, gate.shape, weight.shape)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel() == 0:
+        return out
+    x2, g2 = rows_of(x, D), rows_of(gate, D)
+    block = triton.next_power_of_2(D)
+    _gated_rms_norm_kernel[(x2.shape[0],)](x2, g2, weight.contiguous(), out, x2.stride(0), g2.stride(0), float(eps),
+                                           D=D, BLOCK=block, ROUND=weight.element_size() < 4,
+                                           num_warps=_num_warps(block), **pdl(x2))
+    return out
+
+
+@torch.library.custom_op("mtpchat::gated_rms_norm", mutates_args=())
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype) * silu(gate.float()), in x.dtype."""
+    return launch_gated(x, gate, weight, eps)
+
+
+@gated_rms_norm.register_fake
+def _(x, gate, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("mtpchat::rms_norm", mutates_args=())
@@ -109,6 +163,14 @@ def is_rms_norm(module) -> bool:
             and isinstance(weight, torch.Tensor) and weight.dim() == 1)
 
 
+def is_gated_rms_norm(module) -> bool:
+    """GDN's output norm, forward(x, gate): class name ending in RMSNormGated, silu, a 1-D weight and eps."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__.endswith("RMSNormGated") and _eps(module) is not None
+            and getattr(module, "activation", "silu") == "silu" and isinstance(weight, torch.Tensor)
+            and weight.dim() == 1 and weight.shape[0] <= MAX_BLOCK)
+
+
 def _eps(module) -> float | None:
     """The norm's epsilon: `eps` (Qwen3-Next / 3.5) or `variance_epsilon` (dense Qwen3)."""
     return getattr(module, "eps", getattr(module, "variance_epsilon", None))
@@ -118,6 +180,20 @@ def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():  # let inductor fuse the module's own math with its neighbours
         return type(self).forward(self, x)
     return rms_norm(x, self.weight, _eps(self), self.norm_shift)
+
+
+def _fused_gated_forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return type(self).forward(self, x, gate)
+    return gated_rms_norm(x, gate, self.weight, _eps(self))
+
+
+def _gated_self_check(module, device, dtype) -> float:
+    """The gated kernel's max abs error against the module's own forward, relative to the reference's max abs."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x, gate = (torch.randn(3, module.weight.shape[0], generator=gen, device=device).to(dtype) for _ in range(2))
+    with torch.no_grad():
+        return relative_error(gated_rms_norm(x, gate, module.weight, _eps(module)), type(module).forward(module, x, gate))
 
 
 def _self_check(module, device, dtype) -> tuple[float, float]:
@@ -150,25 +226,33 @@ def install(modules: Iterable, device: torch.device | str, dtype: torch.dtype) -
     reason = _why_not(device, dtype)
     if reason is not None:
         return f"torch ops ({reason})"
-    norms = [m for m in modules if is_rms_norm(m)]
-    if not norms:
+    modules = list(modules)
+    norms, gated = [m for m in modules if is_rms_norm(m)], [m for m in modules if is_gated_rms_norm(m)]
+    if not norms and not gated:
         return "torch ops (no RMSNorm modules)"
-    worst, shifts = 0.0, {}
+    worst, shifts, checked = 0.0, {}, set()
     try:
         for m in norms:
             key = (type(m), m.weight.shape[0], _eps(m))
             if key not in shifts:
                 shifts[key], err = _self_check(m, device, dtype)
                 worst = max(worst, err)
+        for m in gated:
+            key = (type(m), m.weight.shape[0], _eps(m), m.weight.dtype)
+            if key not in checked:
+                checked.add(key)
+                worst = max(worst, _gated_self_check(m, device, dtype))
     except Exception as e:  # a Triton / driver failure: keep the torch ops
         return f"torch ops (Triton RMSNorm failed: {type(e).__name__}: {e})"
     if not worst < SELF_CHECK_TOL:  # also catches NaN
         return f"torch ops (Triton RMSNorm self-check failed: error {worst:.1e})"
+    # a bound method in the instance dict: deepcopy rebinds it to the copy; del m.forward undoes it
     for m in norms:
         m.norm_shift = shifts[(type(m), m.weight.shape[0], _eps(m))]
-        # a bound method in the instance dict: deepcopy rebinds it to the copy; del m.forward undoes it
         m.forward = types.MethodType(_fused_forward, m)
-    return f"Triton fused RMSNorm (self-check {worst:.1e})"
+    for m in gated:
+        m.forward = types.MethodType(_fused_gated_forward, m)
+    return f"Triton fused RMSNorm{' and gated RMSNorm' if gated else ''} (self-check {worst:.1e})"
 
 
 @contextmanager

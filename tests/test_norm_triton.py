@@ -202,3 +202,62 @@ def test_cuda_graph_capture_and_replay(device):
         x.copy_(randn(1, 1, 2048, dtype=torch.bfloat16, device=device, seed=2))
         graph.replay()
         assert_matches(y, x, weight)
+
+
+def qwen3_next_gated_norm(dim, dtype, device):
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    norm = Qwen3NextRMSNormGated(dim, eps=EPS).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + randn(dim, dtype=torch.float32, device=device, seed=9) * 0.1)
+    return norm
+
+
+def test_is_gated_rms_norm_picks_gdns_output_norm_only():
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm, Qwen3NextRMSNormGated
+
+    assert norm_triton.is_gated_rms_norm(Qwen3NextRMSNormGated(128))
+    assert not norm_triton.is_gated_rms_norm(Qwen3NextRMSNorm(128))
+    assert not norm_triton.is_gated_rms_norm(torch.nn.LayerNorm(128))
+
+
+def half(device) -> torch.dtype:
+    """bf16 on CUDA; fp16 through the interpreter, whose float32 -> bf16 conversion truncates (the gated norm
+    rounds three times: up to three ulps from torch's round-to-nearest)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float16
+
+
+@gpu
+@pytest.mark.parametrize("sixteen", [True, False], ids=["16-bit", "float32"])
+def test_gated_op_matches_the_transformers_module(device, sixteen):
+    """GDN's output norm: rows of [tokens x value heads, head dim], the gate a strided view (z's columns of the
+    fused projection's output), a 16-bit weight (its product rounded as torch rounds it) and a float32 one."""
+    dtype = half(device) if sixteen else torch.float32
+    for wdtype in {dtype, torch.float32}:
+        norm = qwen3_next_gated_norm(64, wdtype, device)
+        x = randn(4 * 6, 64, dtype=dtype, device=device)
+        zs = randn(4, 6 * 64 + 40, dtype=dtype, device=device, seed=3)[:, 40:].reshape(4, 6, 64)  # strided rows
+        gate = zs.reshape(-1, 64)
+        with torch.no_grad():
+            want = type(norm).forward(norm, x, gate)
+        got = norm_triton.gated_rms_norm(x, gate, norm.weight, EPS)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # one bf16 ulp (rsqrt, exp and the sum's order)
+        torch.testing.assert_close(got, want, rtol=tol, atol=1e-5)
+
+
+@gpu
+def test_install_gives_the_gated_norm_its_kernel(device, installable):
+    dtype = half(device)
+    norm = qwen3_next_gated_norm(128, dtype, device)
+    other = copy.deepcopy(norm)
+    reason = installable([norm, qwen3_next_norm(256, dtype, device)], dtype)
+    assert reason.startswith("Triton fused RMSNorm and gated RMSNorm (self-check "), reason
+    assert "forward" in vars(norm)
+    x, gate = (randn(2, 3, 128, dtype=dtype, device=device, seed=s) for s in (1, 2))
+    with torch.inference_mode():
+        got, want = norm(x, gate), other(x, gate)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-5)
+    with norm_triton.stock_forward([norm]):
+        assert "forward" not in vars(norm)
+    assert "forward" in vars(norm)

@@ -4,7 +4,6 @@ share included), and the peak memory above the inputs. Issue #29: at a 32k promp
 intermediates were 0.49 GB of the 27B shape's Int4 peak at 2,048-token chunks; slices would cut them, at the
 cost of more launches. The 27B shape: 16 key heads, 48 value heads, 128 x 128 states. Each way's output and final
 state are checked against the whole chunk's.
-The engine slices at kernels.FLA_SLICE (512).
 `python3 packaging/bench/gdn_prefill_split.py [--tokens 2048] [--slices 1,2,4,8] [--json OUT]` (CUDA, FLA).
 """
 import argparse
@@ -14,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine import kernels
+from engine.kernels import fla_chunk
 
 H, HV, K, V = 16, 48, 128, 128
 LAYERS = 48  # each call reads another layer's inputs and state, as a prefill chunk's 48 GDN layers do
@@ -32,10 +31,13 @@ def inputs(T: int, seed: int):
 
 
 def sliced(q, k, v, g, beta, state, n: int):
-    """The chunk in n slices (kernels.FLA_SLICE set to its length / n), each from the state the slice before
-    left: (output, final state)."""
-    kernels.FLA_SLICE = q.shape[1] // n
-    return kernels.fla_chunk(q, k, v, g, beta, state)
+    """The chunk in n slices, each from the state the slice before left: (output, final state)."""
+    T, outs = q.shape[1], []
+    for s in range(0, T, T // n):
+        e = s + T // n
+        o, state = fla_chunk(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], state)
+        outs.append(o)
+    return torch.cat(outs, 1), state
 
 
 def main():

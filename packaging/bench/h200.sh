@@ -269,12 +269,12 @@ memory)  # issue #29 (about 8 minutes): the GPU tests of the quantized paths and
   timeout 300 python3 packaging/bench/memory_peak.py --random-weights qwen3.5-27b --quant int4 --prompt-tokens 32768 \
         --compile --warm-depths 0,3 --json "$OUT/memory_peak_int4_32k_h200.json" 2>&1 | grep -v Warn | tail -30
   ;;
-kvfp8)  # under 10 minutes: the fp8 KV cache (cache.py) on a GPU for the first time; FLA's chunked kernel in slices
-  # and the dequantized weight in column blocks (the 32k peak's two largest temporaries); then, as time allows, the
-  # demo model's cycles (#28) and the 8k decode with and without the fp8 cache
+kvfp8)  # under 10 minutes: the fp8 KV cache (cache.py) on a GPU for the first time, the dequantized weight in
+  # column blocks; FLA's chunked kernel whole or in slices; then, as time allows, the demo model's cycles (#28) and
+  # the 8k decode with and without the fp8 cache
   gpu_tests 130 "$OUT/gpu_tests_kvfp8.log" tests/test_kv_fp8.py tests/test_attention_triton.py tests/test_gpu.py \
-        tests/test_int4.py tests/test_fp8_triton.py \
-        -k "fp8 or attention or slices or block_of_columns or w4a16_kernel or lossless or graphs"
+        tests/test_int4.py tests/test_fp8_triton.py tests/test_norm_triton.py \
+        -k "fp8 or attention or block_of_columns or w4a16_kernel or lossless or graphs or gated"
   MTPCHAT_KV_CACHE_DTYPE=fp8 timeout 240 python3 packaging/bench/memory_peak.py --random-weights qwen3.5-27b \
         --quant int4 --prompt-tokens 32768 --compile --warm-depths 0,3 \
         --json "$OUT/memory_peak_int4_32k_fp8kv_h200.json" 2>&1 | grep -v Warn | tail -30
