@@ -96,6 +96,12 @@ def _num_warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8
 
 
+def rows_of(x: torch.Tensor, D: int) -> torch.Tensor:
+    """x [..., D] as [rows, D] with unit column stride: a view where the leading dims collapse, else a copy."""
+    x2 = x.reshape(-1, D)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: float = 1.0) -> torch.Tensor:
     """RMSNorm of x [..., D] with weight [D] (zero-centred: shift 1; plain: shift 0): a contiguous tensor of x's
     shape and dtype."""
@@ -110,12 +116,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: float = 1.0
     _rms_norm_kernel[(rows,)](x2, weight.contiguous(), out, x2.stride(0), float(eps), float(shift), D=D, BLOCK=block,
                               num_warps=_num_warps(block), **pdl(x2))
     return out
-
-
-def rows_of(x: torch.Tensor, D: int) -> torch.Tensor:
-    """x [..., D] as [rows, D] with unit column stride: a view where the leading dims collapse, else a copy."""
-    x2 = x.reshape(-1, D)
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def launch_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -188,10 +188,20 @@ def _fused_gated_forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Ten
     return gated_rms_norm(x, gate, self.weight, _eps(self))
 
 
+def _random_rows(module, device, dtype, n: int) -> list[torch.Tensor]:
+    """n self-check inputs [3, D] for the norm `module`, the same every load."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    return [torch.randn(3, module.weight.shape[0], generator=gen, device=device).to(dtype) for _ in range(n)]
+
+
+def _key(module) -> tuple:
+    """What a self-check covers: norms alike in this are checked once."""
+    return type(module), module.weight.shape[0], _eps(module), module.weight.dtype
+
+
 def _gated_self_check(module, device, dtype) -> float:
     """The gated kernel's max abs error against the module's own forward, relative to the reference's max abs."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    x, gate = (torch.randn(3, module.weight.shape[0], generator=gen, device=device).to(dtype) for _ in range(2))
+    x, gate = _random_rows(module, device, dtype, 2)
     with torch.no_grad():
         return relative_error(gated_rms_norm(x, gate, module.weight, _eps(module)), type(module).forward(module, x, gate))
 
@@ -199,8 +209,7 @@ def _gated_self_check(module, device, dtype) -> float:
 def _self_check(module, device, dtype) -> tuple[float, float]:
     """(shift, error): the weight convention whose kernel output matches the module's own forward best, and its
     max abs error relative to the reference's max abs."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(3, module.weight.shape[0], generator=gen, device=device).to(dtype)
+    x, = _random_rows(module, device, dtype, 1)
     with torch.no_grad():
         ref = type(module).forward(module, x)
         return min(((shift, relative_error(rms_norm(x, module.weight, _eps(module), shift), ref))
@@ -230,25 +239,20 @@ def install(modules: Iterable, device: torch.device | str, dtype: torch.dtype) -
     norms, gated = [m for m in modules if is_rms_norm(m)], [m for m in modules if is_gated_rms_norm(m)]
     if not norms and not gated:
         return "torch ops (no RMSNorm modules)"
-    worst, shifts, checked = 0.0, {}, set()
+    worst, shifts = 0.0, {}
     try:
-        for m in norms:
-            key = (type(m), m.weight.shape[0], _eps(m))
-            if key not in shifts:
-                shifts[key], err = _self_check(m, device, dtype)
-                worst = max(worst, err)
-        for m in gated:
-            key = (type(m), m.weight.shape[0], _eps(m), m.weight.dtype)
-            if key not in checked:
-                checked.add(key)
-                worst = max(worst, _gated_self_check(m, device, dtype))
+        for key, m in {_key(m): m for m in norms}.items():
+            shifts[key], err = _self_check(m, device, dtype)
+            worst = max(worst, err)
+        for m in {_key(m): m for m in gated}.values():
+            worst = max(worst, _gated_self_check(m, device, dtype))
     except Exception as e:  # a Triton / driver failure: keep the torch ops
         return f"torch ops (Triton RMSNorm failed: {type(e).__name__}: {e})"
     if not worst < SELF_CHECK_TOL:  # also catches NaN
         return f"torch ops (Triton RMSNorm self-check failed: error {worst:.1e})"
     # a bound method in the instance dict: deepcopy rebinds it to the copy; del m.forward undoes it
     for m in norms:
-        m.norm_shift = shifts[(type(m), m.weight.shape[0], _eps(m))]
+        m.norm_shift = shifts[_key(m)]
         m.forward = types.MethodType(_fused_forward, m)
     for m in gated:
         m.forward = types.MethodType(_fused_gated_forward, m)

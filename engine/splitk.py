@@ -155,9 +155,9 @@ def fastest(choices: Iterable, run: Callable) -> object:
 
 
 # A prefill chunk's widths are past the kernels (MAX_ROWS): the weight is dequantized to 16 bits for cuBLAS. Whole,
-# the 27B shape's gate / up projection is a 0.36 GB temporary, the largest block of the Int4 model's 32k-prompt
-# peak once FLA's intermediates are sliced; in column blocks of at most this many bytes it is a fifth of that, and
-# each block's matmul (thousands of rows and columns) still runs at cuBLAS's speed.
+# the 27B shape's gate / up projection is a 0.36 GB temporary, at the Int4 model's 32k-prompt peak with the fp8 KV
+# cache (17.98 GB, 17.91 in column blocks on the H200); in blocks of at most this many bytes it is a fifth of that,
+# and each block's matmul (thousands of rows and columns) still runs at cuBLAS's speed.
 DEQUANTIZED_BYTES = 64 << 20
 
 
