@@ -83,19 +83,19 @@ def masked_decode_attention(q, keys, values, future, scale: float) -> torch.Tens
 
 def causal_attention(q, keys, values, pos: int, scale: float) -> torch.Tensor:
     """Queries q [1, H, T, D] at positions pos..pos+T-1 over keys / values [1, Hkv, pos + T, D]: query i sees keys
-    0..pos+i. On CUDA in 16-bit no [T, pos + T] mask is materialised: from position 0 SDPA's causal kernel (cuDNN's
-    flash), at an offset the flash kernel's bottom-right causal form, grouped-query heads native (on the H200, 27B
-    shape: 1.3 ms for an 8k-token chunk from position 0, 1.2 ms for 2k queries over 8k keys, against 6.3 and 1.6 ms
-    with the mask). The CPU and float32 keep the explicit mask: the exact reference."""
+    0..pos+i. On CUDA in 16-bit no [T, pos + T] mask is materialised: the flash kernel, whose causal form aligns
+    bottom-right when there are more keys than queries (torch's own CausalBias(LOWER_RIGHT) calls it so, and asks
+    can_use_flash_attention as here: without is_causal, whose rule for the dispatcher refuses every query block
+    shorter than its keys), grouped-query heads native (on the H200, 27B shape: 1.2 ms for 2k queries over 8k keys,
+    against 1.6 ms with the mask). Never SDPA's dispatcher there: on the H100 it chose cuDNN for the masked form,
+    which builds a plan for each new shape, 0.53 s a call, and eager shapes are new all the time (every catch-up
+    of the MTP head after plain steps, at --depth auto: 146 tok/s where plain decoding ran 1,581;
+    packaging/bench/auto_trace.py). The CPU and float32 keep the explicit mask: the exact reference."""
     T = q.shape[2]
     if T == 1:
         return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
     if q.is_cuda and q.dtype != torch.float32:
-        if pos == 0:
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-        # (the flash op's is_causal aligns bottom-right when there are more keys than queries: torch's own
-        # CausalBias(LOWER_RIGHT) calls it so, when the GPU, dtype and head size allow, as checked here)
-        if torch.backends.cuda.can_use_flash_attention(SDPAParams(q, keys, values, None, 0.0, True, True)):
+        if torch.backends.cuda.can_use_flash_attention(SDPAParams(q, keys, values, None, 0.0, False, True)):
             return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, scale=scale)[0]
     mask = torch.ones(T, pos + T, dtype=torch.bool, device=q.device).tril(pos)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)

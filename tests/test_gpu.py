@@ -102,12 +102,19 @@ def test_triton_moe_passes_its_self_check_in_bf16_and_speculation_stays_exact_in
     assert len(tokens(bf16, prompt, 3)) == 32  # runs through the loop, graphs included
 
 
-def test_fused_prefill_attention_matches_the_masked_reference_in_bf16():
-    """Prefill's causal attention on CUDA (the flash kernels, grouped-query heads, no mask) against the explicit
-    boolean mask in float32, at an offset (a follow-up turn's chunk) and from position 0."""
+def test_fused_prefill_attention_matches_the_masked_reference_in_bf16(monkeypatch):
+    """Prefill's causal attention on CUDA (the flash kernel, grouped-query heads, no mask) against the explicit
+    boolean mask in float32, at an offset (a follow-up turn's chunk, the MTP head's catch-up) and from position 0.
+    Never through SDPA's dispatcher, whose cuDNN choice builds a plan per new shape (0.53 s a call, H100)."""
     import torch.nn.functional as F
 
+    from engine import model
     from engine.model import causal_attention
+
+    def dispatcher(*args, **kwargs):
+        raise AssertionError("SDPA's dispatcher: a plan per shape where cuDNN is chosen")
+
+    monkeypatch.setattr(model, "F", type("F", (), {"scaled_dot_product_attention": staticmethod(dispatcher)}))
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for T, S in ((96, 300), (256, 256), (700, 2048)):

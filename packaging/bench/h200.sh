@@ -58,6 +58,10 @@
 #   bash packaging/bench/h200.sh ahead27b # the 27B shape in Int4 and FP8, --compile, depths 0 and 3
 #   bash packaging/bench/h200.sh cycles   # the demo model with cycle graphs and without (MTPCHAT_CYCLE_GRAPHS=0);
 #                                         # GPU tests; with cycle graphs and --compile
+#   bash packaging/bench/h200.sh demo57   # the float32 GPU tests under faulthandler; the demo's cycles with the gated
+#                                         # norm, its bench rows with auto
+#   bash packaging/bench/h200.sh auto57   # eager attention's GPU test; auto_trace.py on the demo model (auto cycle
+#                                         # by cycle after fixed depths)
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
 #                                         # it, Int4 decoding after an 8k prompt with and without it; FLA's chunked
 #                                         # kernel whole or in slices
@@ -68,12 +72,12 @@ set -uo pipefail
 [ -d /tmp/site/fla ] && [ -d /tmp/site/_pytest ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-bench() { timeout "${BENCH_TIMEOUT:-300}" python3 -m app.cli bench "$@" 2>&1 | tail -25; }
+bench() { timeout -k 10 "${BENCH_TIMEOUT:-300}" python3 -m app.cli bench "$@" 2>&1 | tail -25; }
 # pytest under a time limit: SIGINT, so that it still prints its summary (SIGTERM left nothing); the whole log in
 # $OUT, its failures and summary here
 gpu_tests() {
   local limit=$1 log=$2; shift 2
-  timeout -s INT "$limit" python3 -m pytest -p no:cacheprovider -rf "$@" > "$log" 2>&1
+  timeout -k 15 -s INT "$limit" python3 -m pytest -p no:cacheprovider -rf "$@" > "$log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed|No module" "$log" | tail -20
 }
 case "${1:-speed}" in
@@ -420,5 +424,26 @@ stream2)  # issues #28 / #23 (about 9 minutes): the kernels' GPU tests; the 27B 
   [ $SECONDS -lt 440 ] && BENCH_TIMEOUT=130 bench --random-weights qwen3-next-80b-a3b --layers 12 --compile \
         --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
         --out "$OUT/bench80b_12l_stream_h200.json" | grep -E "compile|HBM|rror"
+  ;;
+demo57)  # stop 57: where the float32 GPU tests stop (faulthandler dumps every thread's stack), then the demo's cycles
+  for t in "tests/test_gpu.py::test_fla_float32_speculation_equals_plain_and_cpu[q35]" \
+           "tests/test_host_embedding.py::test_host_table_exact_in_graphs_and_off_the_gpu[float32]"; do
+    timeout -k 5 -s INT 100 python3 -m pytest -p no:cacheprovider -x --tb=short -o faulthandler_timeout=50 "$t" \
+          > "$OUT/hang_$(echo "$t" | md5sum | cut -c1-6).log" 2>&1
+    echo "== $t rc=$?"; grep -E "File \"|Error|passed|failed|Timeout" "$OUT"/hang_$(echo "$t" | md5sum | cut -c1-6).log \
+          | grep -v "/_pytest/\|/pluggy/" | head -40
+  done
+  timeout -k 5 70 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
+        --json "$OUT/cycle_demo_gated_h200.json" 2>&1 | grep depth
+  BENCH_TIMEOUT=80 bench --model engine/assets/demo --depths 0,2,3,4,auto --drafter mtp --max-new-tokens 256 \
+        --repeat 3 --no-hf --out "$OUT/bench_demo_gated_h200.json" | grep -vE "^\s*$" | tail -12
+  ;;
+auto57)  # stop 57 (about 3 minutes): eager attention through the flash kernel (no SDPA dispatcher, no cuDNN plans
+  # per shape), then --depth auto after fixed depths on the demo model, cycle by cycle; the bench's rows if time is left
+  gpu_tests 150 "$OUT/gpu_tests_auto57.log" tests/test_gpu.py -k "fused_prefill or long_and_graph"
+  timeout -k 5 100 python3 packaging/bench/auto_trace.py --depths 0,3,auto,auto --json "$OUT/auto_trace_flash.json" \
+        2>&1 | grep -E "^depth|warm-up" | cut -c1-200
+  [ $SECONDS -lt 100 ] && BENCH_TIMEOUT=$((175 - SECONDS)) bench --model engine/assets/demo --depths 0,2,3,auto \
+        --drafter mtp --max-new-tokens 256 --repeat 2 --no-hf --out "$OUT/bench_demo_auto57.json" | grep -E "auto|mtp|none"
   ;;
 esac
