@@ -253,8 +253,9 @@ def select_backends(device: torch.device) -> Backends:
     b.choice["conv1d"] = ("torch", "short conv over the conv-input window (stashed for rollback): products summed "
                                    "over the kernel for up to 64 tokens, depthwise F.conv1d for longer prefills")
     b.choice["gated_rmsnorm"] = ("torch", "module's own gated RMSNorm")
-    b.choice["attention"] = ("torch-sdpa", "torch scaled_dot_product_attention (dispatches flash / efficient / "
-                                           "math); inside CUDA graphs matmuls + softmax over the whole KV cache")
+    b.choice["attention"] = ("torch-sdpa", "eager 16-bit passes on CUDA: torch's flash kernel, bottom-right causal "
+                                           "(never cuDNN's plan per shape); elsewhere torch scaled_dot_product_"
+                                           "attention; inside CUDA graphs matmuls + softmax over the whole KV cache")
     return b
 
 
