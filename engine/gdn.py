@@ -11,6 +11,8 @@ rows, so the result is independent of the rejected tail, bit for bit.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -47,10 +49,12 @@ class VerifyStash:
 
 def project(mixer, x: torch.Tensor):
     """Input projections in either checkpoint layout -> conv input [1, C, T], z [1, T, Hv, Dv], b, a [1, T, Hv]."""
-    if hasattr(mixer, "in_proj_qkvz"):
+    if hasattr(mixer, "in_proj_qkvz"):  # (one gather each into [q | k | v | z] and [b | a]: keep_constants)
         qkvz, ba = linears(mixer, ("in_proj_qkvz", "in_proj_ba"), x)
-        q, k, v, z, b, a = mixer.fix_query_key_value_ordering(qkvz, ba)
-        mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (q, k, v)], -1)
+        nv, dv = mixer.num_v_heads, mixer.head_v_dim
+        mixed, z = qkvz.index_select(-1, mixer.qkvz_order).split([qkvz.shape[-1] - nv * dv, nv * dv], -1)
+        b, a = ba.index_select(-1, mixer.ba_order).split([nv, nv], -1)
+        z = z.view(x.shape[0], x.shape[1], nv, dv)
     else:
         mixed, z, b, a = linears(mixer, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), x)
         z = z.reshape(x.shape[0], x.shape[1], -1, mixer.head_v_dim)
@@ -68,15 +72,35 @@ def heads(mixer) -> list[int]:
     return [mixer.num_k_heads, mixer.head_k_dim, mixer.num_v_heads, mixer.head_v_dim]
 
 
-def keep_gate_constants(layers) -> None:
-    """Each GDN mixer's decay rate -exp(A_log) and dt_bias in float32, once at load (buffers, not in the state
-    dict): every step computed the first anew and converted the gate input to float32 apart, three launches a
-    layer. The same float32 values as transformers' -A_log.float().exp() * softplus(a.float() + dt_bias)."""
+def keep_constants(layers) -> None:
+    """What each GDN mixer's steps would otherwise compute anew, kept once at load (buffers, not in the state dict):
+    - the decay rate -exp(A_log) and dt_bias in float32: every step computed the first and converted the gate input
+      to float32 apart, three launches a layer; the same float32 values as transformers' -A_log.float().exp() *
+      softplus(a.float() + dt_bias);
+    - Qwen3-Next's projection order: in_proj_qkvz and in_proj_ba interleave [q | k | v | z] and [b | a] per key-head
+      group, which transformers' fix_query_key_value_ordering and the concatenation of q, k, v undo with seven
+      copies a layer each pass (six strided, one cat); one gather each at these column indices gives the same
+      values (project)."""
     for layer in layers:
         mixer = getattr(layer, "linear_attn", None)
-        if mixer is not None:
-            mixer.register_buffer("decay_rate", -mixer.A_log.float().exp(), persistent=False)
-            mixer.register_buffer("dt_bias_f32", mixer.dt_bias.float(), persistent=False)
+        if mixer is None:
+            continue
+        mixer.register_buffer("decay_rate", -mixer.A_log.float().exp(), persistent=False)
+        mixer.register_buffer("dt_bias_f32", mixer.dt_bias.float(), persistent=False)
+        if hasattr(mixer, "in_proj_qkvz"):
+            nk, dk, nv, dv = heads(mixer)
+            r, device = nv // nk, mixer.A_log.device
+            qkvz, ba = _group_columns(nk, [dk, dk, r * dv, r * dv]), _group_columns(nk, [r, r])
+            mixer.register_buffer("qkvz_order", qkvz.to(device), persistent=False)
+            mixer.register_buffer("ba_order", ba.to(device), persistent=False)
+
+
+def _group_columns(groups: int, parts: list[int]) -> torch.Tensor:
+    """Columns of a per-group interleaved layout [g0: p0 | p1 | .. , g1: p0 | p1 | ..] in part-major order
+    [p0 of every group | p1 of every group | ..]."""
+    starts = torch.arange(groups).view(groups, 1) * sum(parts)
+    offsets = [0] + list(itertools.accumulate(parts))[:-1]
+    return torch.cat([(starts + o + torch.arange(p)).reshape(-1) for o, p in zip(offsets, parts)])
 
 
 def kernel_inputs(mixer, window: torch.Tensor, T: int, b, a, out: tuple = (None, None)):

@@ -437,7 +437,7 @@ class Trunk:
             if hasattr(layer, "self_attn"):
                 layer.self_attn.gated = self.family.name != "qwen3"
         fuse_all(self.layers)
-        gdn.keep_gate_constants(self.layers)
+        gdn.keep_constants(self.layers)
         choose_moe(self)
         choose_norm(self.backends, self.lm.modules(), self.device, self.dtype)
         choose_fp8(self.backends, self.lm.modules(), self.device, self.dtype)
