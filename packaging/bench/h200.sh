@@ -62,6 +62,7 @@
 #                                         # norm, its bench rows with auto
 #   bash packaging/bench/h200.sh auto57   # eager attention's GPU test; auto_trace.py on the demo model (auto cycle
 #                                         # by cycle after fixed depths)
+#   bash packaging/bench/h200.sh verify57 # GPU tests; the demo's cycles and rows with auto; the 80B-A3B slice
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
 #                                         # it, Int4 decoding after an 8k prompt with and without it; FLA's chunked
 #                                         # kernel whole or in slices
@@ -445,5 +446,17 @@ auto57)  # stop 57 (about 3 minutes): eager attention through the flash kernel (
         2>&1 | grep -E "^depth|warm-up" | cut -c1-200
   [ $SECONDS -lt 100 ] && BENCH_TIMEOUT=$((175 - SECONDS)) bench --model engine/assets/demo --depths 0,2,3,auto \
         --drafter mtp --max-new-tokens 256 --repeat 2 --no-hf --out "$OUT/bench_demo_auto57.json" | grep -E "auto|mtp|none"
+  ;;
+verify57)  # stop 57's changes, measured (under 10 minutes): the GPU tests of graphs, norms and eager attention
+  # (FLA's float32 autotuning alone takes minutes on a fresh machine); the demo model's cycles and bench rows with
+  # auto (Qwen3-Next's projection gathers, the flash catch-up); the 80B-A3B 12-layer slice, bf16 --compile
+  gpu_tests 300 "$OUT/gpu_tests_verify57.log" tests/test_gpu.py tests/test_norm_triton.py tests/test_host_embedding.py
+  timeout -k 5 70 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
+        --json "$OUT/cycle_demo_gathers.json" 2>&1 | grep depth
+  BENCH_TIMEOUT=90 bench --model engine/assets/demo --depths 0,2,3,4,auto --drafter mtp --max-new-tokens 256 \
+        --repeat 3 --no-hf --out "$OUT/bench_demo_gathers.json" | grep -E "auto|mtp|none"
+  [ $SECONDS -lt 440 ] && BENCH_TIMEOUT=$((570 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --layers 12 \
+        --compile --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
+        --out "$OUT/bench80b_12l_gathers.json" | grep -E "compile|HBM|rror"
   ;;
 esac
