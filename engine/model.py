@@ -87,9 +87,10 @@ def causal_attention(q, keys, values, pos: int, scale: float) -> torch.Tensor:
     bottom-right when there are more keys than queries (torch's own CausalBias(LOWER_RIGHT) calls it so, and asks
     can_use_flash_attention as here: without is_causal, whose rule for the dispatcher refuses every query block
     shorter than its keys), grouped-query heads native (on the H200, 27B shape: 1.2 ms for 2k queries over 8k keys,
-    against 1.6 ms with the mask). Never SDPA's dispatcher there: on the H100 it chose cuDNN for the masked form,
-    which builds a plan for each new shape, 0.53 s a call, and eager shapes are new all the time (every catch-up
-    of the MTP head after plain steps, at --depth auto: 146 tok/s where plain decoding ran 1,581;
+    against 1.6 ms with the mask). Never SDPA's dispatcher there: on the H100 its masked form took 0.53 s a call
+    on a new shape (the host's time, as a cuDNN plan being built would take; which backend, not checked), and
+    eager shapes are new all the time (every catch-up
+    of the MTP head after plain steps, at --depth auto: 146 tok/s where depth 3 ran 1,860 in the same run;
     packaging/bench/auto_trace.py). The CPU and float32 keep the explicit mask: the exact reference."""
     T = q.shape[2]
     if T == 1:
