@@ -254,8 +254,9 @@ def select_backends(device: torch.device) -> Backends:
                                    "over the kernel for up to 64 tokens, depthwise F.conv1d for longer prefills")
     b.choice["gated_rmsnorm"] = ("torch", "module's own gated RMSNorm")
     b.choice["attention"] = ("torch-sdpa", "eager 16-bit passes on CUDA: torch's flash kernel, bottom-right causal "
-                                           "(never SDPA's dispatcher: a new shape cost 0.53 s); elsewhere torch scaled_dot_product_"
-                                           "attention; inside CUDA graphs matmuls + softmax over the whole KV cache")
+                                           "(SDPA's dispatcher cost 0.53 s on each new shape); elsewhere torch "
+                                           "scaled_dot_product_attention; inside CUDA graphs matmuls + softmax over "
+                                           "the whole KV cache")
     return b
 
 

@@ -83,15 +83,14 @@ def masked_decode_attention(q, keys, values, future, scale: float) -> torch.Tens
 
 def causal_attention(q, keys, values, pos: int, scale: float) -> torch.Tensor:
     """Queries q [1, H, T, D] at positions pos..pos+T-1 over keys / values [1, Hkv, pos + T, D]: query i sees keys
-    0..pos+i. On CUDA in 16-bit no [T, pos + T] mask is materialised: the flash kernel, whose causal form aligns
-    bottom-right when there are more keys than queries (torch's own CausalBias(LOWER_RIGHT) calls it so, and asks
-    can_use_flash_attention as here: without is_causal, whose rule for the dispatcher refuses every query block
-    shorter than its keys), grouped-query heads native (on the H200, 27B shape: 1.2 ms for 2k queries over 8k keys,
-    against 1.6 ms with the mask). Never SDPA's dispatcher there: on the H100 its masked form took 0.53 s a call
-    on a new shape (the host's time, as a cuDNN plan being built would take; which backend, not checked), and
-    eager shapes are new all the time (every catch-up
-    of the MTP head after plain steps, at --depth auto: 146 tok/s where depth 3 ran 1,860 in the same run;
-    packaging/bench/auto_trace.py). The CPU and float32 keep the explicit mask: the exact reference."""
+    0..pos+i. On CUDA in 16-bit: the flash kernel, no [T, pos + T] mask, grouped-query heads native (on the H200,
+    27B shape: 1.2 ms for 2k queries over 8k keys, against 1.6 ms with the mask). Its causal form aligns
+    bottom-right when there are more keys than queries; torch's own CausalBias(LOWER_RIGHT) calls it so and asks
+    can_use_flash_attention as here, without is_causal (whose rule refuses fewer queries than keys). Never SDPA's
+    dispatcher there: on the H100 its masked form took 0.53 s of the host's time a call on each new shape, and eager
+    shapes are new all the time (each catch-up of the MTP head after plain steps: --depth auto ran 146 tok/s where
+    depth 3 ran 1,860; packaging/bench/auto_trace.py). The CPU and float32 keep the explicit mask: the exact
+    reference."""
     T = q.shape[2]
     if T == 1:
         return F.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
@@ -248,10 +247,13 @@ def choose_moe(trunk) -> None:
 def choose_norm(backends, modules, device, dtype) -> None:
     """The RMSNorms' forward, plain and gated: one Triton kernel each on CUDA in 16-bit (norm_triton.py), else the
     modules' own."""
-    from .norm_triton import install
+    from .norm_triton import install, is_gated_rms_norm
 
+    modules = list(modules)
     why = install(modules, device, dtype)
     backends.choice["rmsnorm"] = ("triton" if why.startswith("Triton") else "torch", why)
+    if any("forward" in vars(m) for m in modules if is_gated_rms_norm(m)):  # (install gave it the kernel)
+        backends.choice["gated_rmsnorm"] = ("triton", why)
 
 
 def choose_fp8(backends, modules, device, dtype) -> None:

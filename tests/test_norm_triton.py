@@ -261,3 +261,14 @@ def test_install_gives_the_gated_norm_its_kernel(device, installable):
     with norm_triton.stock_forward([norm]):
         assert "forward" not in vars(norm)
     assert "forward" in vars(norm)
+
+
+@gpu
+def test_the_diagnostics_name_the_gated_norms_kernel(device, installable):  # (installable: the device check)
+    from engine.kernels import Backends
+    from engine.model import choose_norm
+
+    backends, dtype = Backends(), half(device)
+    backends.choice["gated_rmsnorm"] = ("torch", "module's own gated RMSNorm")  # (select_backends' default)
+    choose_norm(backends, [qwen3_next_gated_norm(128, dtype, device)], device, dtype)
+    assert backends.choice["gated_rmsnorm"][0] == "triton", backends.choice
