@@ -6,7 +6,7 @@ torch._scaled_mm reached only 1.3-2.6 TB/s of FP8 bytes at M=1 on the H200 (issu
 before F.linear reads the weight once, then writes and reads it again at twice the size. Here each program owns
 BLOCK_N output columns and a slice of K, loads [BLOCK_N, 128] FP8 tiles and scales each tile's float32 partial
 by its block scale (one per 128x128 block: per output column inside a tile, so the scale multiplies the partial,
-not the weight). Four forms:
+not the weight). Five forms:
   - rows: the tile converted to float32 once, then CUDA-core multiply-adds row after row (a runtime loop, so
     decoding's one row costs one row);
   - dot: a tensor-core dot of the tile against 16 / 64 / 128 padded activation rows (verify, graph prefills);
@@ -15,7 +15,9 @@ not the weight). Four forms:
   - stream (one row): a few weight rows read 512-2048 columns at a time into a float32 accumulator of the tile's
     shape, summed once at the end. The other forms read 128 columns of 32-128 rows a tile and reduce every tile;
     a simple kernel that only reads reaches 4.68 TB/s on the H200 (packaging/bench/hbm_read.py) where they
-    stream 16-bit weights at 3.6-4.2.
+    stream 16-bit weights at 3.6-4.2;
+  - streambits (one row): the stream form, its FP8 bytes made float32 by bit moves (_fp8_stream_bits: Triton's
+    conversions held the stream form near the rate they issue at).
 Partials of K slices land in a float32 buffer that the last slice to finish sums, in slice order, into x's
 dtype (splitk.store_tile); an unsplit configuration writes the output directly. Results are deterministic.
 
@@ -66,6 +68,7 @@ CONFIGS["dotbits"] = CONFIGS["dot"]  # the dot form, its FP8 bytes made bf16 by 
 # (the winners of eight at the 27B shape's projections, bf16 and FP8: quant_kernels_{bf16,fp8}_stream_h200.json)
 CONFIGS["stream"] = [(4, ALL, 4, 3, 1024), (4, 8, 4, 4, 2048), (8, ALL, 8, 3, 1024), (8, ALL, 4, 3, 512),
                      (32, ALL, 8, 3, 256)]
+CONFIGS["streambits"] = CONFIGS["stream"]  # the stream form, its FP8 bytes made float32 by bit moves
 ROWS_MAX = 8  # the widths the row kernel may serve (its cost grows with them)
 _chosen: dict[tuple, tuple] = {}  # (N, K, bucket, device index) -> the timed (kernel, configuration)
 
@@ -128,14 +131,19 @@ if triton is not None:
 
     @triton.jit
     def _fp8_stream(X, W, S, Y, P, LOCKS, N, K, stride_wn, stride_sn, KS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, SCALED: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_K: tl.constexpr, SCALED: tl.constexpr, EVEN: tl.constexpr, BITS: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
         """One input row: BLOCK_N weight rows, BLOCK_K columns a tile (runs of 0.5-4 KB of each row), multiplied
         into a [BLOCK_N, BLOCK_K] float32 accumulator and summed once after the last tile. SCALED: the FP8 block
         scale multiplies the input columns (BLOCK_N divides 128, so one scale row serves the program). EVEN: whole
-        tiles, no masks."""
+        tiles, no masks. BITS: W holds the FP8 bytes as int32 words (stride_wn in words), see _fp8_stream_bits."""
         after_previous(PDL)
         pn, pk = tl.program_id(0), tl.program_id(1)
         n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        if BITS:
+            _fp8_stream_bits(X, W, S, Y, P, LOCKS, N, K, stride_wn, stride_sn, pn, pk, n, KS, BLOCK_N, BLOCK_K,
+                             SCALED, EVEN)
+            return
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for c in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
@@ -152,6 +160,41 @@ if triton is not None:
             acc += w.to(tl.float32) * x[None, :]
         store_tile(Y, P, LOCKS, tl.sum(acc, 1)[None, :], tl.arange(0, 1)[:, None], n[None, :], (n < N)[None, :], 1,
                    N, pn)
+
+    @triton.jit
+    def _fp8_stream_bits(X, W, S, Y, P, LOCKS, N, K, stride_wn, stride_sn, pn, pk, n, KS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, EVEN: tl.constexpr):
+        """The stream form without conversion instructions ("streambits"). Triton makes an FP8 weight float32
+        with 1.5 conversions (e4m3x2 -> f16x2, then f16 -> f32 each), issued at 16 a clock per SM on the H200:
+        about 2.8 TB/s of FP8 bytes, where the stream form sat (2.8-3.5, against 4.2-4.6 for bf16 weights, whose
+        conversion is a shift). Here each int32 word holds four weights, byte j of word c being column 4c + j:
+        shifted to the top of the word, shifted arithmetically right by 4 and masked with 0x87F00000, a byte is
+        the float32 whose sign, exponent field and top mantissa bits are its own, the FP8 value times 2^-120,
+        exactly for all 256 bytes (subnormals become float32 subnormals); two or three integer operations a weight.
+        The inputs are scaled by 2^64 (exact) so that no product falls into float32's subnormals, the sums by
+        2^56 at the end. K must be a multiple of 4."""
+        W4: tl.constexpr = BLOCK_K // 4
+        kw = tl.arange(0, W4)
+        acc = tl.zeros([BLOCK_N, W4], tl.float32)
+        for c in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
+            k4 = c * W4 + kw  # word indices; their columns 4 * k4 + j
+            ok = 4 * k4 < K
+            if EVEN:
+                w = tl.load(W + n[:, None] * stride_wn + k4[None, :])
+            else:
+                w = tl.load(W + n[:, None] * stride_wn + k4[None, :], mask=(n[:, None] < N) & ok[None, :], other=0)
+            s = 18446744073709551616.0  # 2^64
+            if SCALED:  # (the four columns of a word share their 128-column block)
+                s = s * tl.load(S + (pn * BLOCK_N // 128) * stride_sn + (4 * k4) // 128, mask=ok, other=0.0)
+            for j in tl.static_range(4):
+                if EVEN:
+                    x = tl.load(X + 4 * k4 + j).to(tl.float32) * s
+                else:
+                    x = tl.load(X + 4 * k4 + j, mask=ok, other=0.0).to(tl.float32) * s
+                f = (((w << (24 - 8 * j)) >> 4) & -2014314496).to(tl.float32, bitcast=True)  # 0x87F00000
+                acc += f * x[None, :]
+        total = tl.sum(acc, 1) * 72057594037927936.0  # 2^(120 - 64)
+        store_tile(Y, P, LOCKS, total[None, :], tl.arange(0, 1)[:, None], n[None, :], (n < N)[None, :], 1, N, pn)
 
     @triton.jit
     def _fp8_as_bf16(w, ASM: tl.constexpr):
@@ -212,17 +255,19 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     scale = scale if scaled else weight  # (a pointer the kernel never reads)
     M, K = x2.shape
     N = weight.shape[0]
-    block_k = wide[0] if kind == "stream" else BLOCK  # (the stream form's tile width; the others' is a scale block)
+    block_k = wide[0] if kind.startswith("stream") else BLOCK  # (the stream form's tile width; the others' is a scale block)
     blocks = triton.cdiv(K, block_k)
     ks = min(ks, blocks)
     slices = triton.cdiv(blocks, ks)
     block_m = triton.next_power_of_2(max(M, 1)) if kind == "rows" else max(16, bucket(M)) if M > 8 else 16
-    tiles = triton.cdiv(N, block_n) * (1 if kind in ("rows", "stream") else triton.cdiv(M, block_m))
+    tiles = triton.cdiv(N, block_n) * (1 if kind in ("rows", "stream", "streambits") else triton.cdiv(M, block_m))
     out, part, locks = output(M, N, slices, tiles, x2)
-    if kind == "stream":  # (one row)
+    if kind.startswith("stream"):  # (one row)
+        bits = kind == "streambits"  # (the FP8 bytes as int32 words: K a multiple of 4, streams_bits)
         _fp8_stream[(triton.cdiv(N, block_n), slices)](
-            x2, weight, scale, out, part, locks, N, K, weight.stride(0), scale.stride(0), KS=ks, BLOCK_N=block_n,
-            BLOCK_K=block_k, SCALED=scaled, EVEN=N % block_n == 0 and K % block_k == 0, num_warps=warps,
+            x2, weight.view(torch.int32) if bits else weight, scale, out, part, locks, N, K,
+            weight.stride(0) // 4 if bits else weight.stride(0), scale.stride(0), KS=ks, BLOCK_N=block_n,
+            BLOCK_K=block_k, SCALED=scaled, EVEN=N % block_n == 0 and K % block_k == 0, BITS=bits, num_warps=warps,
             num_stages=stages, **pdl(x2))
     elif kind == "rows":
         _fp8_rows[(triton.cdiv(N, block_n), slices)](
@@ -236,6 +281,13 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
             weight.stride(0), scale.stride(0), KS=ks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK,
             SCALED=scaled, BITS=bits, ASM=bits and not INTERPRET, num_warps=warps, num_stages=stages, **pdl(x2))
     return out
+
+
+def streams_bits(weight: torch.Tensor) -> bool:
+    """Whether the streambits form can read this FP8 weight as int32 words: rows of a multiple of 4 bytes, each
+    starting on a word."""
+    return weight.dtype == torch.float8_e4m3fn and weight.stride(-1) == 1 and weight.shape[1] % 4 == 0 \
+        and weight.stride(0) % 4 == 0 and weight.storage_offset() % 4 == 0
 
 
 def _config(M: int, N: int, K: int, device: torch.device):
@@ -317,8 +369,8 @@ def tune(weight: torch.Tensor, scale: torch.Tensor, rows: int = 1) -> tuple:
     if key not in _chosen:
         x = torch.randn(rows, K, device=weight.device, dtype=torch.bfloat16)
         kinds = ("rows", "dot", "dotbits") if rows <= ROWS_MAX else ("dot", "dotbits")
-        if rows == 1:  # (the stream form serves one row only)
-            kinds = ("stream",) + kinds
+        if rows == 1:  # (the stream forms serve one row only)
+            kinds = ("stream",) + (("streambits",) if streams_bits(weight) else ()) + kinds
         _chosen[key] = fastest([(kind, c) for kind in kinds for c in CONFIGS[kind]],
                                lambda choice: _launch(x, weight, scale, choice))
     return _chosen[key]

@@ -46,6 +46,9 @@ def _fp8(n, k, device, seed=0):
     # one row, runs of BLOCK_K columns: whole tiles with K in two slices, and partial edge tiles in N and K
     (256, 1024, 1, ("stream", (16, 2, 4, 3, 256))),
     (200, 300, 1, ("stream", (8, 1 << 20, 4, 3, 512))),
+    # the same, its FP8 bytes made float32 by bit moves
+    (256, 1024, 1, ("streambits", (16, 2, 4, 3, 256))),
+    (200, 300, 1, ("streambits", (8, 1 << 20, 4, 3, 512))),
 ])
 def test_the_kernel_equals_the_dequantized_matmul(triton_device, n, k, rows, config):
     from engine import fp8_triton
@@ -89,6 +92,30 @@ def test_every_fp8_byte_becomes_its_bf16_exactly(triton_device):
                                                    if finite[i] and got[i] != want[i]][:8]
     assert torch.equal(y.view(torch.int16).bitwise_and(-32768)[finite], b.to(torch.int16).mul(256)
                        .bitwise_and(-32768)[finite].to(torch.int16))  # the sign bit, -0 included
+
+
+def test_every_fp8_byte_streams_exactly_through_the_bit_moves(triton_device):
+    """streambits: all 256 bytes (subnormals, signed zeros) as the weights of one row, each alone in its column
+    with an input of 1 and a block scale of 1: every output is the byte's float8_e4m3fn value, exactly (the bit
+    moves, the 2^64 / 2^56 scaling and no flush of float32 subnormals to zero)."""
+    from engine import fp8_triton
+
+    b = torch.arange(256, dtype=torch.uint8, device=triton_device)
+    want = b.view(torch.float8_e4m3fn).float()
+    finite = ~want.isnan()
+    cols = 8  # each byte in a different word position j = column % 4 across the rows
+    w = torch.zeros(256, cols, dtype=torch.uint8, device=triton_device)
+    for j in range(cols):
+        w[:, j] = b.roll(j)
+    dtype = torch.bfloat16 if triton_device.type == "cuda" else torch.float16
+    scale = torch.ones(2, 1, device=triton_device)
+    for j in range(cols):
+        x = torch.zeros(1, cols, dtype=dtype, device=triton_device)
+        x[0, j] = 1
+        got = fp8_triton._launch(x, w.view(torch.float8_e4m3fn), scale, ("streambits", (8, 1 << 20, 4, 3, 256)))
+        expect = want.roll(j)
+        ok = finite.roll(j)
+        assert torch.equal(got[0].float()[ok], expect.to(dtype).float()[ok]), j
 
 
 def test_the_row_kernel_gives_a_row_what_it_gives_it_alone(triton_device):

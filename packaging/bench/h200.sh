@@ -63,6 +63,8 @@
 #   bash packaging/bench/h200.sh auto57   # eager attention's GPU test; auto_trace.py on the demo model (auto cycle
 #                                         # by cycle after fixed depths)
 #   bash packaging/bench/h200.sh verify57 # GPU tests; the demo's cycles and rows with auto; the 80B-A3B slice
+#   bash packaging/bench/h200.sh bits58   # FP8's one-row stream form without conversions (streambits): its GPU tests,
+#                                         # per-shape times, the 27B shape in FP8 --compile at depths 0 and 3
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
 #                                         # it, Int4 decoding after an 8k prompt with and without it; FLA's chunked
 #                                         # kernel whole or in slices
@@ -458,5 +460,14 @@ verify57)  # stop 57's changes, measured (under 10 minutes): the GPU tests of gr
   [ $SECONDS -lt 440 ] && BENCH_TIMEOUT=$((570 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --layers 12 \
         --compile --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
         --out "$OUT/bench80b_12l_gathers.json" | grep -E "compile|HBM|rror"
+  ;;
+bits58)  # stop 58 (about 7 minutes): the streambits form's GPU tests (every byte exact: no flush of float32
+  # subnormals), the seven 27B projections at one row per form, then the 27B shape in FP8 with the tuner choosing
+  gpu_tests 150 "$OUT/gpu_tests_bits58.log" tests/test_fp8_triton.py
+  timeout -k 5 150 python3 packaging/bench/quant_kernels.py --quant fp8 --rows 1 \
+        --json "$OUT/quant_kernels_fp8_streambits.json" 2>&1 | grep "rows 1"
+  BENCH_TIMEOUT=$((580 - SECONDS)) bench --random-weights qwen3.5-27b --quant fp8 --compile --depths 0,3 \
+        --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
+        --out "$OUT/bench27b_fp8_streambits.json"
   ;;
 esac
