@@ -65,6 +65,7 @@
 #   bash packaging/bench/h200.sh verify57 # GPU tests; the demo's cycles and rows with auto; the 80B-A3B slice
 #   bash packaging/bench/h200.sh bits58   # FP8's one-row stream form without conversions (streambits): its GPU tests,
 #                                         # per-shape times, the 27B shape in FP8 --compile at depths 0 and 3
+#   bash packaging/bench/h200.sh demo58   # the demo's cycles and bench rows with auto; the 80B-A3B slice
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
 #                                         # it, Int4 decoding after an 8k prompt with and without it; FLA's chunked
 #                                         # kernel whole or in slices
@@ -469,5 +470,15 @@ bits58)  # stop 58 (about 7 minutes): the streambits form's GPU tests (every byt
   BENCH_TIMEOUT=$((580 - SECONDS)) bench --random-weights qwen3.5-27b --quant fp8 --compile --depths 0,3 \
         --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
         --out "$OUT/bench27b_fp8_streambits.json"
+  ;;
+demo58)  # stop 58 (about 5 minutes on a warm machine): the demo model's cycles (Qwen3-Next's projection gathers) and
+  # its bench rows with auto after the flash catch-up; the 80B-A3B slice if time is left
+  timeout -k 5 150 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
+        --json "$OUT/cycle_demo_gathers.json" 2>&1 | grep depth
+  BENCH_TIMEOUT=200 bench --model engine/assets/demo --depths 0,2,3,4,auto --drafter mtp --max-new-tokens 256 \
+        --repeat 3 --no-hf --out "$OUT/bench_demo_gathers.json"
+  [ $SECONDS -lt 380 ] && BENCH_TIMEOUT=$((575 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --layers 12 \
+        --compile --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
+        --out "$OUT/bench80b_12l_gathers.json"
   ;;
 esac
