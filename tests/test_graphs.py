@@ -171,7 +171,8 @@ def test_plain_steps_before_a_live_depth_change_feed_the_head_what_eager_steps_d
                     control.depth = 3
             fin = ev
         mtp = engine.mtp_drafter
-        return fin.stats["per_position_counts"], mtp.cache.k[:, :, : mtp.covered].clone()
+        widths = sorted(mtp.graphs.graphs) if mtp.graphs is not None else []
+        return fin.stats["per_position_counts"], mtp.cache.k[:, :, : mtp.covered].clone(), widths
 
     # with graphs, greedy plain decoding runs one step ahead (plain_ahead): a depth change applies a token later
     eager, graphs = run(load_engine(DEMO), 13), run(load_engine(DEMO, cuda_graphs=True), 12)
@@ -181,6 +182,9 @@ def test_plain_steps_before_a_live_depth_change_feed_the_head_what_eager_steps_d
     n = eager[1].shape[2]
     assert graphs[1].shape[2] >= n and torch.allclose(eager[1], graphs[1][:, :, :n], atol=1e-5)
     assert graphs[0] == eager[0]
+    # the head's catch-up over the plain steps' dozen positions ran as one graph replay padded to 16 rows
+    # (drafters.PADDED_WIDTHS), not eagerly
+    assert 16 in graphs[2], graphs[2]
 
 
 def test_plain_decoding_one_step_ahead_is_exact_and_the_next_turn_continues_from_its_extra_step():

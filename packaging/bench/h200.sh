@@ -66,6 +66,7 @@
 #   bash packaging/bench/h200.sh bits58   # FP8's one-row stream form without conversions (streambits): its GPU tests,
 #                                         # per-shape times, the 27B shape in FP8 --compile at depths 0 and 3
 #   bash packaging/bench/h200.sh demo58   # the demo's cycles and bench rows with auto; the 80B-A3B slice
+#   bash packaging/bench/h200.sh auto58   # --depth auto on the demo model with the head's padded catch-up graphs
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
 #                                         # it, Int4 decoding after an 8k prompt with and without it; FLA's chunked
 #                                         # kernel whole or in slices
@@ -480,5 +481,12 @@ demo58)  # stop 58 (about 5 minutes on a warm machine): the demo model's cycles 
   [ $SECONDS -lt 380 ] && BENCH_TIMEOUT=$((575 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --layers 12 \
         --compile --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
         --out "$OUT/bench80b_12l_gathers.json"
+  ;;
+auto58)  # stop 58 (under 6 minutes): the MTP head's catch-up after plain steps as one padded graph replay
+  # (drafters.PADDED_WIDTHS): --depth auto on the demo model cycle by cycle, then the bench's rows with auto
+  timeout -k 5 120 python3 packaging/bench/auto_trace.py --depths 0,3,auto,auto --json "$OUT/auto_trace_padded.json" \
+        2>&1 | grep -E "^depth|warm-up" | cut -c1-200
+  BENCH_TIMEOUT=$((330 - SECONDS)) bench --model engine/assets/demo --depths 0,2,3,4,auto --drafter mtp \
+        --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_padded.json"
   ;;
 esac
