@@ -10,17 +10,13 @@ from __future__ import annotations
 import random
 
 import torch
+import torch.nn.functional as F
 
+from .graphs import padded_width
 from .sampling import probabilities, sample
 
 
 PRIME_CHUNK = 2048  # positions the MTP head runs over at once when catching up (prefill's priming, a depth change)
-# Catch-ups wider than the MTP graphs' own widths and up to the last of these run as one graph replay at the next
-# of them, padded (the padding's rows come after the real ones, so they change none of them, and their KV past
-# the covered positions is never read). Such catch-ups follow plain steps: --depth auto's probes, a depth change.
-# Eagerly, at a width new each time, one took 2.4-10.6 ms of the host's time on the H100's demo model, where a
-# plain step takes 0.46 ms (packaging/bench/auto_trace_flash_h100.json): auto ran 0.89x plain.
-PADDED_WIDTHS = (16, 32, 64)
 
 
 class MTPDrafter:
@@ -48,8 +44,13 @@ class MTPDrafter:
 
     def run_head(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int):
         """The head over positions pos..pos+n-1 -> (logits of the last one [1, 1, V], post-norm hidden [1, n, H],
-        or [1, 1, H] padded); a graph replay for n up to the graphs' width, and padded up to PADDED_WIDTHS[-1]
-        (the outputs are then static: read them before the next)."""
+        or [1, 1, H] padded); a graph replay for n up to the graphs' width, and wider, padded as the trunk's short
+        prefills are (graphs.padded_width), where the cache has room (the outputs are then static: read them
+        before the next). The padding's rows come after the real ones, so they change none of them, and their KV
+        past the covered positions is never read. Such catch-ups follow plain steps (--depth auto's probes, a
+        depth change) and prime short prompts: eagerly, at a width new each time, one took 2.4-10.6 ms of the
+        host's time on the H100's demo model, where a plain step takes 0.46 ms (packaging/bench/
+        auto_trace_flash_h100.json: auto ran 0.89x plain)."""
         g, n = self.graphs, hidden.shape[1]
         if g is not None and n <= g.max_width:
             def step(hidden, tokens, pos):
@@ -58,14 +59,12 @@ class MTPDrafter:
             out = g.try_run(self.cache.serial, (hidden, tokens), pos, step, "MTP graph")
             if out is not None:
                 return out
-        width = next((w for w in PADDED_WIDTHS if w >= n), None)
+        width = padded_width(n)
         if g is not None and width is not None and pos + width <= self.cache.capacity:  # (no reallocation)
             def padded(hidden, tokens, row, pos):
                 return self.head(hidden, tokens, pos, self.cache, row=row)
 
-            pad = width - n
-            inputs = (torch.cat([hidden, hidden.new_zeros(1, pad, hidden.shape[2])], 1),
-                      torch.cat([tokens, tokens.new_zeros(1, pad)], 1),
+            inputs = (F.pad(hidden, (0, 0, 0, width - n)), F.pad(tokens, (0, width - n)),  # (id 0: any vocabulary)
                       torch.full((1,), n - 1, dtype=torch.long, device=hidden.device))
             out = g.try_run(self.cache.serial, inputs, pos, padded, "MTP graph")
             if out is not None:

@@ -222,6 +222,12 @@ class StepGraphs:
 PREFILL_WIDTHS = (16, 32, 64, 96, 128, 160, 192, 224, 256)  # (padding costs compute: buckets 32 apart)
 
 
+def padded_width(n: int) -> int | None:
+    """The graph width a pass over n positions is padded to (PREFILL_WIDTHS), None when wider than all: the
+    trunk's short prefills and the MTP head's catch-ups over them (drafters.MTPDrafter.run_head)."""
+    return next((w for w in PREFILL_WIDTHS if w >= n), None)
+
+
 STOPS = 16  # stop ids a cycle graph can cut a reply at
 
 
@@ -481,7 +487,7 @@ class GraphRunner:
         MoE model (its wide MoE path is transformers' own, which syncs with the host), or not capturable: prefill
         eagerly."""
         trunk, n = self.trunk, tokens.shape[1]
-        width = next((w for w in PREFILL_WIDTHS if w >= n), None)
+        width = padded_width(n)
         if width is None or any(hasattr(layer.mlp, "experts") for layer in trunk.layers):
             return None
         caches.kv.reserve(width)

@@ -97,11 +97,11 @@ def test_replayed_steps_equal_eager_and_replays_are_counted(name, ckpt, engines)
     cycles = trunk["cycle"]
     assert cycles["failure"] is None and all(cycles["replays"][str(w)] > 2 for w in (2, 4))
     # the head's own graphs: only its catch-up over each prompt's last position and its priming over the rest of
-    # the prompt during prefill, padded (drafters.PADDED_WIDTHS; drafting and refreshing ride in the verify and
+    # the prompt during prefill, padded (graphs.padded_width; drafting and refreshing ride in the verify and
     # chain graphs)
-    from engine.drafters import PADDED_WIDTHS
+    from engine.graphs import PREFILL_WIDTHS
 
-    assert "1" in mtp["replays"] and set(mtp["replays"]) - {"1"} <= {str(w) for w in PADDED_WIDTHS}, mtp["replays"]
+    assert "1" in mtp["replays"] and set(mtp["replays"]) - {"1"} <= {str(w) for w in PREFILL_WIDTHS}, mtp["replays"]
     chains = report["mtp_draft_chain_graphs"]  # greedy depth 3's first cycle: the two steps after the refresh
     assert chains["failure"] is None and chains["replays"]["2"] >= 1
     if name == "demo":
@@ -186,7 +186,7 @@ def test_plain_steps_before_a_live_depth_change_feed_the_head_what_eager_steps_d
     assert graphs[1].shape[2] >= n and torch.allclose(eager[1], graphs[1][:, :, :n], atol=1e-5)
     assert graphs[0] == eager[0]
     # the head's catch-up over the plain steps' dozen positions ran as one graph replay padded to 16 rows
-    # (drafters.PADDED_WIDTHS), not eagerly
+    # (graphs.padded_width), not eagerly
     assert 16 in graphs[2], graphs[2]
 
 

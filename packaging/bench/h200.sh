@@ -483,7 +483,7 @@ demo58)  # stop 58 (about 5 minutes on a warm machine): the demo model's cycles 
         --out "$OUT/bench80b_12l_gathers.json"
   ;;
 auto58)  # stop 58 (under 6 minutes): the MTP head's catch-up after plain steps as one padded graph replay
-  # (drafters.PADDED_WIDTHS): --depth auto on the demo model cycle by cycle, then the bench's rows with auto
+  # (graphs.padded_width): --depth auto on the demo model cycle by cycle, then the bench's rows with auto
   timeout -k 5 120 python3 packaging/bench/auto_trace.py --depths 0,3,auto,auto --json "$OUT/auto_trace_padded.json" \
         2>&1 | grep -E "^depth|warm-up" | cut -c1-200
   BENCH_TIMEOUT=$((330 - SECONDS)) bench --model engine/assets/demo --depths 0,2,3,4,auto --drafter mtp \
