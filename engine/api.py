@@ -134,11 +134,11 @@ class Engine:
         self.auto_drafter = None  # both, chosen per cycle (--drafter auto; attach_draft)
         self.drafter_choice = None  # "mtp" | "draft" | "auto" | None: auto when both exist, else the one there is
         self.turns = TurnCache()
-        # the running cost of a cycle at each depth (auto's and fixed depths' cycles), per drafter kind, kept
-        # from one request to the next (they are this model's and this device's): a reply at depth auto starts
-        # from them instead of guesses (depth 0 guessed from the speculative depths kept a plain-text reply at
-        # depth 3 for its first 16 cycles)
-        self.cycle_costs: dict[str, dict[int, float]] = {}
+        # --depth auto's estimates per drafter kind (DepthChooser.estimates), kept from one request to the next:
+        # the running cost of a cycle at each depth (auto's and fixed depths' cycles: this model's and this
+        # device's; depth 0 guessed from the speculative depths kept a plain-text reply at depth 3 for its first
+        # 16 cycles) and the acceptance per position (a chat's replies are alike), instead of guesses
+        self.auto_estimates: dict[str, dict] = {}
         self.graph_runner = None
         if cuda_graphs is None:
             cuda_graphs = self.trunk.device.type == "cuda" and os.environ.get("MTPCHAT_CUDA_GRAPHS", "1") != "0"
@@ -337,9 +337,9 @@ class Engine:
         detok = TextStream(self.tokenizer)
         flight = Flight()
         ttft, ok, depth_cap = None, False, None
-        # (the first cycles count fully; the costs the requests before measured)
-        costs = dict(self.cycle_costs.get(type(drafter).__name__, {}))
-        chooser, chosen = DepthChooser(AUTO_MAX_DEPTH, mean_first=True, cost=costs), {}
+        # (the first cycles count fully; what the requests before learned: DepthChooser.estimates)
+        learned = self.auto_estimates.get(type(drafter).__name__, {})
+        chooser, chosen = DepthChooser(AUTO_MAX_DEPTH, mean_first=True, **learned), {}
         with torch.inference_mode():
             try:
                 logits, retried = None, False
@@ -422,7 +422,7 @@ class Engine:
                 raise
             finally:
                 drop_in_flight(self.caches, drafter, flight)  # a cycle launched ahead of a stop is not finished
-                self.cycle_costs[type(drafter).__name__] = chooser.cost
+                self.auto_estimates[type(drafter).__name__] = chooser.estimates()
                 # What the caches hold is the committed sequence minus its last (unprocessed) token. After any
                 # other exception the state is dropped, cleanly: the next request starts from zero.
                 if ok:

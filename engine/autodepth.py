@@ -54,6 +54,12 @@ PROBE_UNSURE = 4
 # 18.7 ms a cycle) the prior picks plain decoding, and with a probe every PROBE_EVERY cycles adding one position at a
 # time auto reached depth 4 at flat acceptance 1.0 after some 20 cycles (auto_sim: 0.88 of depth 4 over 128 tokens)
 MIN_JUDGED = 4
+# how many cycles a resumed reply's starting acceptance counts as (mean_first: the prior counts as one): the last
+# reply's estimate, for text that may differ. A trade-off: the 27B on an H200, flat 0 right after flat 0.5 (bench
+# rows in turn), held depth 4 through 17 cycles of rejections before plain decoding (0.968x plain,
+# auto27b_climb_h200.json); counted as 2 it would be about 7, but stop 42's CPU runs of the demo model carrying its
+# acceptance (README) did worse counted as 2 than as 4 (0.953-0.986 of the best fixed depth against 0.988-1.067)
+RESUMED_AS = MIN_JUDGED + 1
 # a cycle this many times the cheapest depth's running cost paid for something once (a CUDA-graph capture, a first
 # kernel call, the allocator growing): not its depth's cost. One such 400 ms cycle taken as depth 4's cost made
 # every deep depth look dear for the rest of a 27B reply (auto 2.54x plain where depth 4 gave 3.27x, H200)
@@ -66,17 +72,27 @@ SPIKE = 2.0
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
     """Tokens a depth-k cycle commits on average: the target's one plus each accepted draft."""
-    total, run = 1.0, 1.0
+    return expected_by_depth(acceptance, k)[-1]
+
+
+def expected_by_depth(acceptance: list[float], k: int) -> list[float]:
+    """expected_tokens at every depth 0 .. k, in one pass (the chooser picks every cycle: its host time is a plain
+    step's on a small model)."""
+    out, run = [1.0], 1.0
     for a in acceptance[:k]:
         run *= a
-        total += run
-    return total
+        out.append(out[-1] + run)
+    return out
 
 
-def best_depth(acceptance: list[float], cost_ms: list[float]) -> int:
-    """argmax over k of expected_tokens(acceptance, k) / cost_ms[k] (the pure decision, tested on its own)."""
-    rates = [expected_tokens(acceptance, k) / max(c, 1e-6) for k, c in enumerate(cost_ms)]
-    return max(range(len(rates)), key=lambda k: (rates[k], -k))  # (ties: the shallower)
+def rates(acceptance: list[float], cost_ms: list[float]) -> list[float]:
+    """Expected tokens a ms at every depth k = 0 .. len(cost_ms) - 1."""
+    return [e / max(c, 1e-6) for e, c in zip(expected_by_depth(acceptance, len(cost_ms) - 1), cost_ms)]
+
+
+def best_depth(rate_by_depth: list[float]) -> int:
+    """argmax over k of rates(acceptance, cost_ms)[k] (the pure decision, tested on its own)."""
+    return max(range(len(rate_by_depth)), key=lambda k: (rate_by_depth[k], -k))  # (ties: the shallower)
 
 
 def stop_floors(acceptance: list[float], rate: float, step_ms: float, k: int) -> list[float]:
@@ -101,15 +117,34 @@ class DepthChooser:
     # the first cycles as a plain mean with the prior counted once (weight 1 / (n + 1), down to WEIGHT): one
     # drafter's estimate moves only while it drafts, so a loser's first cycles must count fully (--drafter auto)
     mean_first: bool = False
-    judged: list[int] = field(default_factory=list)  # cycles that judged each position
+    prior_cycles: int = 1  # (mean_first) how many cycles the starting acceptance counts as: RESUMED_AS if resumed
+    judged: list[int] = field(default_factory=list)  # cycles that judged each position (a resumed one's too)
+    judged_here: list[int] = field(default_factory=list)  # this chooser's cycles that judged each position
     # the last cycle drafted and every draft was accepted; before any cycle True: nothing judged, the first drafts
     all_accepted: bool = True
     last_depth: int | None = None  # the depth of the last cycle observed
     probing: bool = False  # the last pick was a probe
+    # what a drafting cycle right after plain ones took over its depth's cost (None: not seen yet): the drafter's
+    # catch-up over the plain cycles' tokens, cold weights. A probe from plain decoding pays it (probe_loss); the
+    # demo model on an H100: 0.33 ms of catch-up on a 0.46 ms plain step, which probes spaced as if it were free
+    # (every ~50 cycles) made 3% of a reply (auto 0.96x plain where plain was 0.97 of the best depth)
+    switch_ms: float | None = None
 
-    def __post_init__(self):
-        self.acceptance = [PRIOR_ACCEPTANCE] * self.max_depth
-        self.judged = [0] * self.max_depth
+    def __post_init__(self):  # (a chooser resumed from estimates(): copies of what the last reply learned)
+        self.acceptance = list(self.acceptance) or [PRIOR_ACCEPTANCE] * self.max_depth
+        self.judged = list(self.judged) or [0] * self.max_depth
+        self.judged_here = [0] * self.max_depth
+        self.cost = dict(self.cost)
+
+    def estimates(self) -> dict:
+        """What the next reply's chooser starts from (DepthChooser(max_depth, **estimates)): the costs, the switch's,
+        and the acceptance per position, counted as RESUMED_AS cycles, so that the next reply's own cycles soon
+        outweigh it (mean_first), and judged at most MIN_JUDGED times (not probed every PROBE_UNSURE cycles). From
+        the prior each reply re-learned: on the demo model (H100), its first cycles drafting on the 0.6 guess, then
+        a probe every PROBE_UNSURE cycles, 7 drafting cycles in a 256-token reply that plain decoding ran faster
+        (auto 0.93 of the best fixed depth; resumed, 0.96)."""
+        return {"cost": dict(self.cost), "switch_ms": self.switch_ms, "acceptance": list(self.acceptance),
+                "judged": [min(j, MIN_JUDGED) for j in self.judged], "prior_cycles": RESUMED_AS}
 
     def costs(self) -> list[float]:
         """c_k for every k: measured, or a line through the measured ones (two points), or the one measured
@@ -139,10 +174,9 @@ class DepthChooser:
 
     def pick(self) -> int:
         costs = self.costs()
-        k = best_depth(self.acceptance, costs)
-        rates = ", ".join(f"{j}: {self.rate(j, costs):.0f}" for j in range(len(costs)))
-        self.why = f"expected tok/s by depth {rates}"
-        return self.probe(k, costs)
+        by_depth = rates(self.acceptance, costs)
+        self.why = "expected tok/s by depth " + ", ".join(f"{j}: {r * 1e3:.0f}" for j, r in enumerate(by_depth))
+        return self.probe(best_depth(by_depth), costs)
 
     def floors(self, k: int) -> list[float]:
         """stop_floors for this cycle's depth k from the running estimates, added to why (its chain stops early
@@ -173,8 +207,11 @@ class DepthChooser:
         k + 1, so its estimate stays what it was when the depth fell below it (a run of rejections there pinned
         depth 3 for the rest of a 1024-token reply whose 4th position is accepted half the time; from depth 0:
         has the text become predictable again?). While position k + 1 has been judged fewer than MIN_JUDGED
-        times: every PROBE_UNSURE cycles, and after a cycle whose drafts were all accepted (or before any cycle):
-        a reply climbs from the prior a position a cycle, not one per probe."""
+        times: every PROBE_UNSURE cycles. While this reply has judged it fewer than MIN_JUDGED times: after a
+        cycle whose drafts were all accepted (or before any cycle): a reply climbs from the prior a position a
+        cycle, not one per probe, and from a resumed estimate too (a reply of easy text after one of hard text,
+        whose low acceptance it starts from: the 27B on an H100, the 0.92/0.84/0.65/0.54 profile after flat 0,
+        auto reached 0.79 of depth 4 climbing a probe at a time)."""
         self.probing = False
         if k >= self.max_depth:
             self.since_probe, self.since_probe_ms = 0, 0.0
@@ -183,7 +220,7 @@ class DepthChooser:
         self.since_probe += 1
         self.since_probe_ms += costs[k]
         few = self.judged[k] < MIN_JUDGED
-        unknown = few and self.all_accepted
+        unknown = self.judged_here[k] < MIN_JUDGED and self.all_accepted
         due = self.since_probe >= PROBE_UNSURE if few else self.probe_due(self.probe_loss(k, costs))
         if due or unknown:
             self.since_probe, self.since_probe_ms, k, self.probing = 0, 0.0, k + 1, True
@@ -195,7 +232,8 @@ class DepthChooser:
         cycles would take for the tokens it is expected to commit. Near the estimates' break-even the probe costs
         next to nothing, and it is the probe that tells which side of it the reply is on."""
         per_token = costs[k] / expected_tokens(self.acceptance, k)
-        return max(costs[k + 1] - per_token * expected_tokens(self.acceptance, k + 1), 0.0)
+        switch = (self.switch_ms or 0.0) if k == 0 else 0.0  # (from plain decoding it also pays the switch)
+        return max(costs[k + 1] + switch - per_token * expected_tokens(self.acceptance, k + 1), 0.0)
 
     def probe_due(self, extra_ms: float) -> bool:
         """Whether this cycle probes, a probe costing extra_ms (probe_loss): once the cycles
@@ -213,15 +251,28 @@ class DepthChooser:
         cycles was 20.9 ms where its cycles in a row took 17.1, so auto held plain decoding (12.0 ms) through
         replies that depth 1 ran 1.2x faster; each probe from plain decoding only confirmed it."""
         switched, self.last_depth = self.last_depth == 0 and depth > 0, depth
-        self.observe_cost(depth, None if switched else ms)
+        if switched:
+            self.observe_switch(depth, ms)
+        else:
+            self.observe_cost(depth, ms)
         self.all_accepted = depth > 0 and len(accepted) == depth and all(accepted)
         for i, flag in enumerate(accepted):  # position i was judged: i == 0 or i - 1 was accepted
             if i < self.max_depth:
                 self.judged[i] += 1
-                w = max(ACCEPTANCE_WEIGHT, 1.0 / (self.judged[i] + 1)) if self.mean_first else ACCEPTANCE_WEIGHT
+                self.judged_here[i] += 1
+                w = ACCEPTANCE_WEIGHT
+                if self.mean_first:
+                    w = max(w, 1.0 / (self.judged_here[i] + self.prior_cycles))
                 self.acceptance[i] += w * (float(flag) - self.acceptance[i])
             if not flag:
                 break
+
+    def observe_switch(self, depth: int, ms: float | None) -> None:
+        """A drafting cycle after plain ones: what it took over its depth's cost is the switch's (switch_ms)."""
+        if ms is None or not self.cost or ms > OUTLIER * min(self.cost.values()):
+            return
+        extra = max(ms - self.costs()[depth], 0.0)
+        self.switch_ms = extra if self.switch_ms is None else self.switch_ms + WEIGHT * (extra - self.switch_ms)
 
     def observe_cost(self, depth: int, ms: float | None) -> None:
         """A cycle's wall time at `depth` (a fixed depth's cycles too: they cost what auto's would)."""
