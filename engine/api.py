@@ -135,9 +135,9 @@ class Engine:
         self.drafter_choice = None  # "mtp" | "draft" | "auto" | None: auto when both exist, else the one there is
         self.turns = TurnCache()
         # --depth auto's estimates per drafter kind (DepthChooser.estimates), kept from one request to the next:
-        # the running cost of a cycle at each depth (auto's and fixed depths' cycles: this model's and this
-        # device's; depth 0 guessed from the speculative depths kept a plain-text reply at depth 3 for its first
-        # 16 cycles) and the acceptance per position (a chat's replies are alike), instead of guesses
+        # the running cost of a cycle at each depth (auto's and fixed depths' cycles) and of a switch from plain
+        # decoding, this model's and this device's, instead of guesses (depth 0 guessed from the speculative
+        # depths kept a plain-text reply at depth 3 for its first 16 cycles)
         self.auto_estimates: dict[str, dict] = {}
         self.graph_runner = None
         if cuda_graphs is None:

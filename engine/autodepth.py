@@ -54,12 +54,6 @@ PROBE_UNSURE = 4
 # 18.7 ms a cycle) the prior picks plain decoding, and with a probe every PROBE_EVERY cycles adding one position at a
 # time auto reached depth 4 at flat acceptance 1.0 after some 20 cycles (auto_sim: 0.88 of depth 4 over 128 tokens)
 MIN_JUDGED = 4
-# how many cycles a resumed reply's starting acceptance counts as (mean_first: the prior counts as one): the last
-# reply's estimate, for text that may differ. A trade-off: the 27B on an H200, flat 0 right after flat 0.5 (bench
-# rows in turn), held depth 4 through 17 cycles of rejections before plain decoding (0.968x plain,
-# auto27b_climb_h200.json); counted as 2 it would be about 7, but stop 42's CPU runs of the demo model carrying its
-# acceptance (README) did worse counted as 2 than as 4 (0.953-0.986 of the best fixed depth against 0.988-1.067)
-RESUMED_AS = MIN_JUDGED + 1
 # a cycle this many times the cheapest depth's running cost paid for something once (a CUDA-graph capture, a first
 # kernel call, the allocator growing): not its depth's cost. One such 400 ms cycle taken as depth 4's cost made
 # every deep depth look dear for the rest of a 27B reply (auto 2.54x plain where depth 4 gave 3.27x, H200)
@@ -117,9 +111,7 @@ class DepthChooser:
     # the first cycles as a plain mean with the prior counted once (weight 1 / (n + 1), down to WEIGHT): one
     # drafter's estimate moves only while it drafts, so a loser's first cycles must count fully (--drafter auto)
     mean_first: bool = False
-    prior_cycles: int = 1  # (mean_first) how many cycles the starting acceptance counts as: RESUMED_AS if resumed
-    judged: list[int] = field(default_factory=list)  # cycles that judged each position (a resumed one's too)
-    judged_here: list[int] = field(default_factory=list)  # this chooser's cycles that judged each position
+    judged: list[int] = field(default_factory=list)  # cycles that judged each position
     # the last cycle drafted and every draft was accepted; before any cycle True: nothing judged, the first drafts
     all_accepted: bool = True
     last_depth: int | None = None  # the depth of the last cycle observed
@@ -130,21 +122,19 @@ class DepthChooser:
     # (every ~50 cycles) made 3% of a reply (auto 0.96x plain where plain was 0.97 of the best depth)
     switch_ms: float | None = None
 
-    def __post_init__(self):  # (a chooser resumed from estimates(): copies of what the last reply learned)
-        self.acceptance = list(self.acceptance) or [PRIOR_ACCEPTANCE] * self.max_depth
-        self.judged = list(self.judged) or [0] * self.max_depth
-        self.judged_here = [0] * self.max_depth
-        self.cost = dict(self.cost)
+    def __post_init__(self):
+        self.acceptance = [PRIOR_ACCEPTANCE] * self.max_depth
+        self.judged = [0] * self.max_depth
+        self.cost = dict(self.cost)  # (a copy of what the last reply measured: estimates())
 
     def estimates(self) -> dict:
-        """What the next reply's chooser starts from (DepthChooser(max_depth, **estimates)): the costs, the switch's,
-        and the acceptance per position, counted as RESUMED_AS cycles, so that the next reply's own cycles soon
-        outweigh it (mean_first), and judged at most MIN_JUDGED times (not probed every PROBE_UNSURE cycles). From
-        the prior each reply re-learned: on the demo model (H100), its first cycles drafting on the 0.6 guess, then
-        a probe every PROBE_UNSURE cycles, 7 drafting cycles in a 256-token reply that plain decoding ran faster
-        (auto 0.93 of the best fixed depth; resumed, 0.96)."""
-        return {"cost": dict(self.cost), "switch_ms": self.switch_ms, "acceptance": list(self.acceptance),
-                "judged": [min(j, MIN_JUDGED) for j in self.judged], "prior_cycles": RESUMED_AS}
+        """What the next reply's chooser starts from (DepthChooser(max_depth, **estimates)): this model's costs on
+        this device, the switch's included; not the acceptance, which is the text's. Tried in stop 59 (the
+        acceptance per position resumed, counted as 5 cycles, climbing on the new reply's first judgments): on the
+        demo model (H100, H200) it probed about as often as a reply from the prior does once the switch is costed,
+        and auto_sim put a reply after one of hard text far behind (the 27B's costs, flat 0.5 after flat 0: 0.936
+        of the best fixed depth resumed, 0.998 from the prior): a confident 0 is probed rarely."""
+        return {"cost": dict(self.cost), "switch_ms": self.switch_ms}
 
     def costs(self) -> list[float]:
         """c_k for every k: measured, or a line through the measured ones (two points), or the one measured
@@ -207,11 +197,8 @@ class DepthChooser:
         k + 1, so its estimate stays what it was when the depth fell below it (a run of rejections there pinned
         depth 3 for the rest of a 1024-token reply whose 4th position is accepted half the time; from depth 0:
         has the text become predictable again?). While position k + 1 has been judged fewer than MIN_JUDGED
-        times: every PROBE_UNSURE cycles. While this reply has judged it fewer than MIN_JUDGED times: after a
-        cycle whose drafts were all accepted (or before any cycle): a reply climbs from the prior a position a
-        cycle, not one per probe, and from a resumed estimate too (a reply of easy text after one of hard text,
-        whose low acceptance it starts from: the 27B on an H100, the 0.92/0.84/0.65/0.54 profile after flat 0,
-        auto reached 0.79 of depth 4 climbing a probe at a time)."""
+        times: every PROBE_UNSURE cycles, and after a cycle whose drafts were all accepted (or before any cycle):
+        a reply climbs from the prior a position a cycle, not one per probe."""
         self.probing = False
         if k >= self.max_depth:
             self.since_probe, self.since_probe_ms = 0, 0.0
@@ -220,7 +207,7 @@ class DepthChooser:
         self.since_probe += 1
         self.since_probe_ms += costs[k]
         few = self.judged[k] < MIN_JUDGED
-        unknown = self.judged_here[k] < MIN_JUDGED and self.all_accepted
+        unknown = few and self.all_accepted
         due = self.since_probe >= PROBE_UNSURE if few else self.probe_due(self.probe_loss(k, costs))
         if due or unknown:
             self.since_probe, self.since_probe_ms, k, self.probing = 0, 0.0, k + 1, True
@@ -232,7 +219,8 @@ class DepthChooser:
         cycles would take for the tokens it is expected to commit. Near the estimates' break-even the probe costs
         next to nothing, and it is the probe that tells which side of it the reply is on."""
         per_token = costs[k] / expected_tokens(self.acceptance, k)
-        switch = (self.switch_ms or 0.0) if k == 0 else 0.0  # (from plain decoding it also pays the switch)
+        # (right after plain cycles it also pays the switch)
+        switch = (self.switch_ms or 0.0) if k == 0 and self.last_depth == 0 else 0.0
         return max(costs[k + 1] + switch - per_token * expected_tokens(self.acceptance, k + 1), 0.0)
 
     def probe_due(self, extra_ms: float) -> bool:
@@ -259,10 +247,7 @@ class DepthChooser:
         for i, flag in enumerate(accepted):  # position i was judged: i == 0 or i - 1 was accepted
             if i < self.max_depth:
                 self.judged[i] += 1
-                self.judged_here[i] += 1
-                w = ACCEPTANCE_WEIGHT
-                if self.mean_first:
-                    w = max(w, 1.0 / (self.judged_here[i] + self.prior_cycles))
+                w = max(ACCEPTANCE_WEIGHT, 1.0 / (self.judged[i] + 1)) if self.mean_first else ACCEPTANCE_WEIGHT
                 self.acceptance[i] += w * (float(flag) - self.acceptance[i])
             if not flag:
                 break

@@ -9,7 +9,7 @@ model's on the 2-core CPU instead (`cpu-demo-now`: the same CPU as measured in s
 the verify widths on oneDNN, stop 46). A drafting cycle after
 plain ones also pays the head's catch-up over their tokens (`--catch-up`, ms a token) and `--switch-ms` once;
 `--noise F`: each cycle's cost off by up to +-F of it, uniformly (a shared CPU). Profile `demo`: the demo model's
-MTP head on the bench prompt.
+MTP head on the bench prompt. `--resume PROFILE`: each auto reply starts from the estimates a reply of PROFILE left.
 """
 import argparse
 import statistics
@@ -33,9 +33,13 @@ CPU_MS_NOW = {0: 15.2, 1: 25.7, 2: 31.0, 3: 35.5, 4: 41.0}
 # the same model with the verify widths on oneDNN (stop 46, cpu_linear.py): ms a cycle from the bench's rows (tokens a
 # cycle / tok/s), the mean of cpu_linear_demo_onednn_{3,4}.json
 CPU_MS_ONEDNN = {0: 12.0, 1: 16.4, 2: 20.3, 3: 24.3, 4: 27.4}
+# the demo model on an H100 with CUDA graphs (stop 59, bench_demo_carried_h100.json: ms a cycle from tokens a cycle /
+# tok/s; depth 1 not a row there, guessed below depth 2). Its catch-up after plain steps is one padded graph replay
+# whatever their number: --switch-ms 0.33 (the refresh phase of a probe's cycle), no cost a token
+GPU_DEMO_MS = {0: 0.449, 1: 0.80, 2: 0.94, 3: 1.065, 4: 1.169}
 COSTS = {"h200-27b": (COST_MS, 0.0), "cpu-demo": (CPU_MS, 0.05), "cpu-demo-now": (CPU_MS_NOW, 0.09),
-         "cpu-demo-onednn": (CPU_MS_ONEDNN, 0.07)}
-CATCH_UP_MS, NOISE, SWITCH_MS = 0.0, 0.0, 0.0  # (main sets them, and COST_MS)
+         "cpu-demo-onednn": (CPU_MS_ONEDNN, 0.07), "h100-demo": (GPU_DEMO_MS, 0.0)}
+CATCH_UP_MS, NOISE, SWITCH_MS, RESUME = 0.0, 0.0, 0.0, None  # (main sets them, and COST_MS)
 EASY, HARD = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.0]  # cmd_bench's 'changing' profile
 PROFILES = {
     "flat 1.0": lambda made, n: [1.0] * 4,
@@ -46,15 +50,25 @@ PROFILES = {
     # the demo model's MTP head on the bench prompt, conditional per position (its depth 2-4 rows on the 2-core CPU,
     # stop 42: unconditional 0.70 0.42 0.39 0.30 at depth 4): low at the first position, higher deeper
     "demo": lambda made, n: [0.71, 0.64, 0.85, 0.77],
+    # the same head in bf16 on a GPU (bench_demo_carried_h100.json's depth 4 row, 0.64 0.41 0.34 0.29 unconditional)
+    "demo-gpu": lambda made, n: [0.64, 0.64, 0.83, 0.85],
 }
 
 
-def reply(profile, depth, n: int, seed: int, known: bool = False, trace: list | None = None) -> float:
+def reply(profile, depth, n: int, seed: int, known: bool = False, trace: list | None = None,
+          keep: list | None = None) -> float:
     """Tokens per second of one n-token reply at `depth` (an int, or "auto"). known (--known-costs): the reply
     starts from every depth's cost, as the engine keeps the costs a reply measured for the next one (fixed
     depths' cycles included: in the bench the fixed rows run before auto's). trace: gets each cycle's (token
-    index, depth, the chooser's acceptance estimates and costs before the pick, its why)."""
-    chooser = DepthChooser(4, mean_first=True, cost=dict(COST_MS) if known else {})
+    index, depth, the chooser's acceptance estimates and costs before the pick, its why). --resume P: an auto
+    reply starts from the estimates an auto reply of profile P left (another seed's), as the engine's next reply
+    does (DepthChooser.estimates); keep: gets this reply's."""
+    learned = {"cost": dict(COST_MS) if known else {}}
+    if depth == "auto" and RESUME and keep is None:
+        before = []
+        reply(PROFILES[RESUME], "auto", n, seed + 1_000_000, known, keep=before)
+        learned = before[0]
+    chooser = DepthChooser(4, mean_first=True, **learned)
     made, ms, backlog = 0, 0.0, 0
     while made < n:
         before = (list(chooser.acceptance), chooser.costs())
@@ -73,6 +87,8 @@ def reply(profile, depth, n: int, seed: int, known: bool = False, trace: list | 
         made += 1 + sum(flags[: flags.index(False)] if False in flags else flags)
         ms += cycle_ms
         backlog += k == 0
+    if keep is not None:
+        keep.append(chooser.estimates())
     return made / ms * 1e3
 
 
@@ -112,8 +128,10 @@ def main():
     ap.add_argument("--noise", type=float, default=0.0)
     ap.add_argument("--switch-ms", type=float, default=0.0,
                     help="what a drafting cycle after plain ones pays besides the catch-up per token")
+    ap.add_argument("--resume", choices=PROFILES, help="auto replies start from what one of this profile left")
     args = ap.parse_args()
-    global COST_MS, CATCH_UP_MS, NOISE, SWITCH_MS
+    global COST_MS, CATCH_UP_MS, NOISE, SWITCH_MS, RESUME
+    RESUME = args.resume
     COST_MS, CATCH_UP_MS = COSTS[args.costs]
     CATCH_UP_MS = CATCH_UP_MS if args.catch_up is None else args.catch_up
     NOISE, SWITCH_MS = args.noise, args.switch_ms
