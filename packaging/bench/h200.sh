@@ -67,6 +67,8 @@
 #                                         # per-shape times, the 27B shape in FP8 --compile at depths 0 and 3
 #   bash packaging/bench/h200.sh demo58   # the demo's cycles and bench rows with auto; the 80B-A3B slice
 #   bash packaging/bench/h200.sh auto58   # --depth auto on the demo model with the head's padded catch-up graphs
+#   bash packaging/bench/h200.sh auto59   # stop 59's chooser (a probe from plain decoding pays the switch): the demo
+#                                         # model's auto trace and bench rows, then the 27B shape's auto rows
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
 #                                         # it, Int4 decoding after an 8k prompt with and without it; FLA's chunked
 #                                         # kernel whole or in slices
@@ -488,5 +490,16 @@ auto58)  # stop 58 (under 6 minutes): the MTP head's catch-up after plain steps 
         2>&1 | grep -E "^depth|warm-up" | cut -c1-200
   BENCH_TIMEOUT=$((330 - SECONDS)) bench --model engine/assets/demo --depths 0,2,3,4,auto --drafter mtp \
         --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_padded.json"
+  ;;
+auto59)  # stop 59 (under 10 minutes): --depth auto with the switch's cost (autodepth.DepthChooser.switch_ms) on the
+  # demo model, cycle by cycle and as bench rows, then the 27B shape's profiles (bf16 --compile) if time is left
+  timeout -k 5 120 python3 packaging/bench/auto_trace.py --depths 0,3,auto,auto --json "$OUT/auto_trace_switch.json" \
+        2>&1 | grep -E "^depth|warm-up" | cut -c1-200
+  BENCH_TIMEOUT=200 bench --model engine/assets/demo --depths 0,2,3,4,auto --drafter mtp --max-new-tokens 256 \
+        --repeat 3 --no-hf --out "$OUT/bench_demo_switch.json" | grep -E "auto|mtp|none"
+  [ $SECONDS -lt 300 ] && BENCH_TIMEOUT=$((585 - SECONDS)) bench --random-weights qwen3.5-27b --compile \
+        --depths 0,2,3,4,auto --drafter oracle --acceptance 1.0,0.5,0 --acceptance-profile \
+        "0.92,0.84,0.65,0.54;changing" --max-new-tokens 128 --repeat 2 --no-hf --out "$OUT/auto27b_switch.json" \
+        | grep -E "compile|HBM|rror"
   ;;
 esac
