@@ -159,8 +159,7 @@ class DepthChooser:
 
     def rate(self, k: int, costs: list[float] | None = None) -> float:
         """Expected tokens per second of a depth-k cycle (the running estimates)."""
-        costs = costs or self.costs()
-        return expected_tokens(self.acceptance, k) / max(costs[k], 1e-6) * 1e3
+        return rates(self.acceptance, costs or self.costs())[k] * 1e3
 
     def pick(self) -> int:
         costs = self.costs()
@@ -252,18 +251,21 @@ class DepthChooser:
             if not flag:
                 break
 
+    def usable(self, ms: float | None) -> float | None:
+        """ms, or None where it paid for something once (OUTLIER times the cheapest depth's cost)."""
+        return None if ms is None or self.cost and ms > OUTLIER * min(self.cost.values()) else ms
+
     def observe_switch(self, depth: int, ms: float | None) -> None:
         """A drafting cycle after plain ones: what it took over its depth's cost is the switch's (switch_ms)."""
-        if ms is None or not self.cost or ms > OUTLIER * min(self.cost.values()):
+        ms = self.usable(ms)
+        if ms is None or not self.cost:  # (no cost measured yet to take it over)
             return
         extra = max(ms - self.costs()[depth], 0.0)
         self.switch_ms = extra if self.switch_ms is None else self.switch_ms + WEIGHT * (extra - self.switch_ms)
 
     def observe_cost(self, depth: int, ms: float | None) -> None:
         """A cycle's wall time at `depth` (a fixed depth's cycles too: they cost what auto's would)."""
-        old = self.cost.get(depth)
-        if ms is not None and self.cost and ms > OUTLIER * min(self.cost.values()):
-            ms = None
+        old, ms = self.cost.get(depth), self.usable(ms)
         if ms is not None:
             self.cost[depth] = ms if old is None else old + WEIGHT * (min(ms, SPIKE * old) - old)
             cheapest = min(self.cost.values())  # (and a first cycle that was one: forgotten, measured again later)

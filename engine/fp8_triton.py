@@ -255,14 +255,15 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     scale = scale if scaled else weight  # (a pointer the kernel never reads)
     M, K = x2.shape
     N = weight.shape[0]
-    block_k = wide[0] if kind.startswith("stream") else BLOCK  # (the stream form's tile width; the others' is a scale block)
+    stream = kind.startswith("stream")  # (stream, streambits: one row)
+    block_k = wide[0] if stream else BLOCK  # (the stream forms' tile width; the others' is a scale block)
     blocks = triton.cdiv(K, block_k)
     ks = min(ks, blocks)
     slices = triton.cdiv(blocks, ks)
     block_m = triton.next_power_of_2(max(M, 1)) if kind == "rows" else max(16, bucket(M)) if M > 8 else 16
-    tiles = triton.cdiv(N, block_n) * (1 if kind in ("rows", "stream", "streambits") else triton.cdiv(M, block_m))
+    tiles = triton.cdiv(N, block_n) * (1 if stream or kind == "rows" else triton.cdiv(M, block_m))
     out, part, locks = output(M, N, slices, tiles, x2)
-    if kind.startswith("stream"):  # (one row)
+    if stream:
         bits = kind == "streambits"  # (the FP8 bytes as int32 words: K a multiple of 4, streams_bits)
         _fp8_stream[(triton.cdiv(N, block_n), slices)](
             x2, weight.view(torch.int32) if bits else weight, scale, out, part, locks, N, K,

@@ -78,7 +78,7 @@ def main():
                 row = {"quant": quant, "shape": name, "N": n, "K": k, "rows": rows,
                        "bf16_ms": graph_ms(lambda: F.linear(x, w16))}
                 for kind, choices in configs.items():
-                    if ((rows > 8 and not kind.startswith("dot")) or (kind.startswith("stream") and rows > 1)
+                    if ((rows > 8 and not kind.startswith("dot")) or (kind in ("row", "stream", "streambits") and rows > 1)
                             or (kind in ("dotbits", "streambits") and quant == "bf16")):
                         continue
                     timed = {}
