@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import GDNState, new_serial
+from .conv_triton import MAX_WIDTH, conv_gates
 from .fusion import linears
 from .kernels import split_qkv, store_conv_state
 
@@ -118,6 +119,13 @@ def kernel_inputs(mixer, window: torch.Tensor, T: int, b, a, out: tuple = (None,
     return conv.transpose(1, 2), g, beta
 
 
+def fused(backends, T: int) -> bool:
+    """Whether a pass of T tokens takes conv_triton's one launch for its short conv and gates: decode and verify
+    widths where the self-check passed at load, and not while torch.compile traces (inductor fuses the torch form
+    with its neighbours)."""
+    return backends.short_conv == "triton" and T <= MAX_WIDTH and not torch.compiler.is_compiling()
+
+
 def output(mixer, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     shape = z.shape
     y = mixer.norm(core.reshape(-1, core.shape[-1]), z.reshape(-1, z.shape[-1]))  # gated norm: plain w·x
@@ -143,11 +151,18 @@ def prefill(mixer, x, backends, conv, recurrent, real: torch.Tensor | None = Non
     those rows end (the padding's rows made no-ops: first_rows)."""
     T = x.shape[1]
     mixed, z, b, a = project(mixer, x)
+    kernel = backends.gdn_chunk if T > 1 else backends.gdn_recurrent
+    if real is None and fused(backends, T):  # plain decoding: the conv cache updated by the same launch
+        qkv = mixed.new_empty(1, T, mixed.shape[1])
+        g, beta = b.new_empty(b.shape, dtype=torch.float32), torch.empty_like(b, memory_format=torch.contiguous_format)
+        hk, dk = mixer.num_k_heads, mixer.head_k_dim
+        conv_gates(mixer, mixed[0], conv, b[0], a[0], qkv[0, :, : hk * dk], qkv[0, :, hk * dk : 2 * hk * dk],
+                   qkv[0, :, 2 * hk * dk :], g[0], beta[0], store_state=True)
+        return output(mixer, kernel.update(qkv, g, beta, recurrent, heads(mixer)), z)
     window = torch.cat([conv.unsqueeze(0), mixed.to(conv.dtype)], -1)
     qkv, g, beta = kernel_inputs(mixer, window, T, b, a)
     if real is not None:
         qkv, g, beta = first_rows(real, T, qkv, g, beta)
-    kernel = backends.gdn_chunk if T > 1 else backends.gdn_recurrent
     core = kernel.update(qkv, g, beta, recurrent, heads(mixer))
     if real is None:
         store_conv_state(conv, window)
@@ -163,12 +178,18 @@ def verify(mixer, x, conv, recurrent, backends, rows: tuple) -> torch.Tensor:
     sq, sk, sv, sg, sbeta, swindow, sfinal = rows
     mixed, z, b, a = project(mixer, x)
     window = swindow[:, : K1 + T]
-    window[:, :K1] = conv
-    window[:, K1:] = mixed[0]
-    qkv, g, beta = kernel_inputs(mixer, window.unsqueeze(0), T, b, a, (sg[:T].unsqueeze(0), sbeta[:T].unsqueeze(0)))
-    q, k, v = split_qkv(qkv, heads(mixer))
-    for buf, t in zip((sq, sk, sv), (q, k, v)):
-        buf[:T] = t[0]
+    if fused(backends, T):  # window, stash rows and gates in one launch
+        conv_gates(mixer, mixed[0], conv, b[0], a[0], *(buf[:T].flatten(1) for buf in (sq, sk, sv)), sg[:T],
+                   sbeta[:T], window=window)
+        g, beta = sg[:T].unsqueeze(0), sbeta[:T].unsqueeze(0)
+    else:
+        window[:, :K1] = conv
+        window[:, K1:] = mixed[0]
+        qkv, g, beta = kernel_inputs(mixer, window.unsqueeze(0), T, b, a, (sg[:T].unsqueeze(0),
+                                                                          sbeta[:T].unsqueeze(0)))
+        q, k, v = split_qkv(qkv, heads(mixer))
+        for buf, t in zip((sq, sk, sv), (q, k, v)):
+            buf[:T] = t[0]
     # The kernel reads q, k, v from the stash: contiguous rows, where they are strided views of the conv output
     # that the FLA kernel would copy again (three launches a layer). (Verify widths are a few tokens,
     # limits.MAX_DEPTH + 1 at most: the recurrent kernel; prefill takes the chunked.)

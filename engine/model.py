@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams
 
-from . import fp8, gdn, int4
+from . import conv_triton, fp8, gdn, int4
 from .cache import FP8, KVCache, GDNState, dequantize_kv, kv_write, kv_write_at
 from .checkpoint import TensorFiles, model_dir, read_json
 from .context import kv_cache_dtype
@@ -441,6 +441,7 @@ class Trunk:
                 layer.self_attn.gated = self.family.name != "qwen3"
         fuse_all(self.layers)
         gdn.keep_constants(self.layers)
+        conv_triton.install(self.backends, self.layers, self.device, self.dtype)
         choose_moe(self)
         choose_norm(self.backends, self.lm.modules(), self.device, self.dtype)
         choose_fp8(self.backends, self.lm.modules(), self.device, self.dtype)
