@@ -69,8 +69,8 @@
 #   bash packaging/bench/h200.sh auto58   # --depth auto on the demo model with the head's padded catch-up graphs
 #   bash packaging/bench/h200.sh auto59   # stop 59's chooser (a probe from plain decoding pays the switch): the demo
 #                                         # model's auto trace and bench rows, then the 27B shape's auto rows
-#   bash packaging/bench/h200.sh conv60    # stop 60: conv_triton's GPU tests; the demo model with the short conv as one
-#                                         # kernel and without (A/B, auto rows included); the 27B shape's auto rows
+#   bash packaging/bench/h200.sh conv60    # stop 60: conv_triton's GPU tests; the demo model and the 27B shape (uncompiled)
+#                                         # with the short conv as one kernel and without (A/B)
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
 #                                         # it, Int4 decoding after an 8k prompt with and without it; FLA's chunked
 #                                         # kernel whole or in slices
@@ -504,18 +504,18 @@ auto59)  # stop 59 (under 10 minutes): --depth auto with the switch's cost (auto
         "0.92,0.84,0.65,0.54;changing" --max-new-tokens 128 --repeat 2 --no-hf --out "$OUT/auto27b_switch.json" \
         | grep -E "compile|HBM|rror"
   ;;
-conv60)  # stop 60 (under 10 minutes)
-  gpu_tests 150 "$OUT/gpu_tests_conv.log" tests/test_conv_triton.py
-  for conv in triton torch triton; do
+conv60)  # stop 60 (under 10 minutes): conv_triton's tests, then each bench with the short conv as one kernel and as
+  # torch ops (MTPCHAT_SHORT_CONV=torch), in one call: the demo model (auto rows included) and the 27B shape uncompiled
+  # (the chat's default; --compile traces the torch form)
+  gpu_tests 120 "$OUT/gpu_tests_conv.log" tests/test_conv_triton.py
+  for conv in triton torch; do
     MTPCHAT_SHORT_CONV=$conv BENCH_TIMEOUT=120 bench --model engine/assets/demo --depths 0,2,3,4,auto --drafter mtp \
-          --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_conv_${conv}_$SECONDS.json" \
-          | grep -E "auto|mtp|none|rror"
+          --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_conv_${conv}.json" | grep -E "auto|mtp|none|rror"
   done
-  timeout -k 5 60 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
-        --json "$OUT/cycle_demo_conv.json" 2>&1 | grep depth
-  [ $SECONDS -lt 330 ] && BENCH_TIMEOUT=$((585 - SECONDS)) bench --random-weights qwen3.5-27b --compile \
-        --depths 0,2,3,4,auto --drafter oracle --acceptance 1.0,0.5,0 --acceptance-profile \
-        "0.92,0.84,0.65,0.54;changing" --max-new-tokens 128 --repeat 2 --no-hf --out "$OUT/auto27b_conv.json" \
-        | grep -E "compile|HBM|rror"
+  for conv in triton torch; do
+    [ $SECONDS -lt 480 ] && MTPCHAT_SHORT_CONV=$conv BENCH_TIMEOUT=$((590 - SECONDS)) bench --random-weights qwen3.5-27b \
+          --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
+          --out "$OUT/bench27b_conv_${conv}.json" | grep -E "none|oracle|HBM|rror"
+  done
   ;;
 esac
