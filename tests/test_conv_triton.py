@@ -135,3 +135,31 @@ def test_the_engine_decodes_exactly_with_the_kernel(name, ckpt, device, monkeypa
         spec, sources, fin = decode(engine, prompt, depth=depth, max_new_tokens=40)
         assert spec == plain, depth
         assert_mtp_drafts_accepted_and_rejected(fin)
+
+
+def test_a_hybrid_draft_models_chained_passes_are_exact_with_the_kernel(tmp_path, device, monkeypatch):
+    """A text-only Qwen3.5 draft model drafts by chained verify passes, each reading its conv cache from the
+    stash window the one before wrote (model.chained): with the kernel in both models, speculation at depths 1-4
+    equals plain decoding, with drafts accepted and rejected."""
+    from draft_fixtures import write_qwen35_pair
+    from engine import load_engine
+
+    target, draft = write_qwen35_pair(tmp_path, 0.1)
+    monkeypatch.setattr(conv_triton, "supported", lambda device, dtype: None)
+    chained = []
+
+    def counting(mixer, x, state, *args, window=None, **kw):
+        chained.append(window is not None and window.data_ptr() == state.data_ptr())
+        return conv_triton.conv_gates(mixer, x, state, *args, window=window, **kw)
+
+    monkeypatch.setattr(gdn, "conv_gates", counting)
+    engine = load_engine(str(target), device=str(device), dtype="float32", draft_model=str(draft), drafter="draft")
+    assert engine.trunk.backends.short_conv == "triton"
+    assert engine.draft_drafter.trunk.backends.short_conv == "triton"
+    prompt = engine.encode_chat(PROMPTS[0])
+    plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=40)
+    for depth in (1, 2, 3, 4):
+        spec, _, fin = decode(engine, prompt, depth=depth, max_new_tokens=40)
+        assert spec == plain, depth
+        assert fin.stats["drafter"].startswith("draft:") and 0 < fin.stats["accepted"] < fin.stats["drafted"]
+    assert any(chained) and not all(chained)  # chained passes among the kernel's calls
