@@ -22,6 +22,7 @@ from .fusion import dense_mlp, fuse_all, linears
 from .families import (LAYER_KINDS, Family, convert_gdn_layout, family_for, fuse_experts, mtp_layers_declared,
                        sliding_window)
 from .modules import DequantizingExperts, quantize_like_releases
+from .norm_triton import add_then_norm
 from .rotating_cache import RotatingKV
 from .kernels import Backends, relative_error, select_backends
 
@@ -150,8 +151,8 @@ MOE_ROWWISE_MAX_TOKENS = 32
 
 
 def mlp(layer, x: torch.Tensor, moe: str = "rowwise") -> torch.Tensor:
-    """moe: the decode / verify-width MoE path (MOE_PATHS; CUDA picks one after a self-check at load)."""
-    x = layer.post_attention_layernorm(x)
+    """The layer's MLP or MoE block over x, its post-attention norm's output. moe: the decode / verify-width MoE
+    path (MOE_PATHS; CUDA picks one after a self-check at load)."""
     block = layer.mlp
     if hasattr(block, "gate_proj"):
         return dense_mlp(block, x)
@@ -394,8 +395,7 @@ def block(trunk, layer, kind: str, h, pending, pos, cos, sin, state: tuple, rows
     results do not change by a bit. state: this layer's cache views (KVCache.layer / GDNState.layer; a GDN layer's
     with a padded prefill's `real` after them: Trunk.forward); rows: its verify stash rows, None for prefill. No
     layer numbers inside, so torch.compile compiles it once per layer kind and reuses it for every layer."""
-    h = h + pending
-    x = layer.input_layernorm(h)
+    h, x = add_then_norm(layer.input_layernorm, h, pending)
     if kind == "linear_attention":
         if rows is not None:
             x = gdn.verify(layer.linear_attn, x, *state, trunk.backends, rows)
@@ -403,8 +403,8 @@ def block(trunk, layer, kind: str, h, pending, pos, cos, sin, state: tuple, rows
             x = gdn.prefill(layer.linear_attn, x, trunk.backends, *state)
     else:  # full attention, or a sliding window (state: its ring, rotating_cache.RotatingKV.layer)
         x = attention(layer.self_attn, x, pos, cos, sin, *state, trunk.backends.decode_attention)
-    h = h + trunk.reduce(x)
-    return h, trunk.reduce(mlp(layer, h, trunk.backends.moe))
+    h, x = add_then_norm(layer.post_attention_layernorm, h, trunk.reduce(x))
+    return h, trunk.reduce(mlp(layer, x, trunk.backends.moe))
 
 
 def layer_slots(kinds: list[str]) -> list[int]:
@@ -554,7 +554,7 @@ class Trunk:
             h, pending = step(self, layer, kind, h, pending, pos, cos, sin, state, rows)
         if stash is not None:
             stash.width = chain + T
-        return self.lm.model.norm(h + pending)
+        return add_then_norm(self.lm.model.norm, h, pending)[1]
 
 
 def chained(stash: gdn.VerifyStash, i: int, at: int, k1: int) -> tuple[tuple, tuple]:

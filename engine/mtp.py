@@ -21,7 +21,7 @@ from .modules import quantize_like_releases
 from .fp8_triton import install as install_fp8
 from .cpu_linear import install as install_cpu_linear
 from .linear16_triton import install as install_linear16
-from .norm_triton import install as install_norms
+from .norm_triton import add_then_norm, install as install_norms
 
 
 class MTPUnusable(EngineError):
@@ -128,7 +128,7 @@ class MTPHead(nn.Module):
         cos, sin = rope or trunk.rope(pos, h.shape[1])
         h, pending = trunk.layer_step(pos)(trunk, self.layers[0], "full_attention", h, torch.zeros_like(h), pos, cos,
                                            sin, cache.layer(0), None)
-        out = self.norm(h + pending)
+        out = add_then_norm(self.norm, h, pending)[1]
         if row is not None:
             out = out.index_select(1, row)
         elif last_only:

@@ -16,6 +16,7 @@ sizes and warps are picked from D (no autotuning: nothing to benchmark when firs
 
 from __future__ import annotations
 
+import os
 import types
 from contextlib import contextmanager
 from typing import Iterable
@@ -31,6 +32,7 @@ try:
 except ImportError:  # CPU-only installs: the module still imports, available() says no
     triton = None
 
+ADD_NORM = os.environ.get("MTPCHAT_ADD_NORM") != "0"  # add_then_norm's one kernel; 0: the add and the norm apart
 MAX_BLOCK = 8192  # a whole row in registers up to here (Qwen3-Next hidden sizes: 2048, 4096, 5120); loops above
 SELF_CHECK_TOL = 2e-2  # max abs error / max abs of the reference, on a random [3, D] input
 
@@ -70,6 +72,24 @@ if triton is not None:
                 w = tl.load(w_ptr + d0 + cols, mask=mask, other=0.0).to(tl.float32)
                 tl.store(out_row + d0 + cols, (x * rstd * (shift + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
+
+    @triton.jit
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, stride_h, stride_d, eps, shift,
+                             D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """The residual add and the next norm: sum = h + d rounded to h's dtype (torch's add), and the norm of
+        that rounded sum as _rms_norm_kernel computes it. The whole row in one block (D <= MAX_BLOCK)."""
+        after_previous(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0).to(tl.float32)
+        total = (h + d).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * D + cols, total, mask=mask)
+        x = total.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * D + cols, (x * rstd * (shift + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, stride_x, stride_g, eps, D: tl.constexpr,
@@ -116,6 +136,27 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: float = 1.0
     _rms_norm_kernel[(rows,)](x2, weight.contiguous(), out, x2.stride(0), float(eps), float(shift), D=D, BLOCK=block,
                               num_warps=_num_warps(block), **pdl(x2))
     return out
+
+
+def add_then_norm(norm, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, norm(h + delta)): a residual add and the norm after it. One kernel where the norm has this
+    module's forward (install) and the row fits one block, outside torch.compile (which fuses the two itself):
+    the same values as the two ops, bit for bit, one launch instead of two (eager CUDA graphs run every op as a
+    node of ~2 us: two of these a layer)."""
+    D = h.shape[-1]
+    if (not ADD_NORM or torch.compiler.is_compiling() or "forward" not in vars(norm) or getattr(norm, "norm_shift", None) is None
+            or D > MAX_BLOCK or delta.shape != h.shape or delta.dtype != h.dtype):
+        total = h + delta
+        return total, norm(total)
+    total = torch.empty_like(h, memory_format=torch.contiguous_format)
+    out = torch.empty_like(total)
+    if h.numel():
+        h2, d2 = rows_of(h, D), rows_of(delta, D)
+        block = triton.next_power_of_2(D)
+        _add_rms_norm_kernel[(h2.shape[0],)](h2, d2, norm.weight, total, out, h2.stride(0), d2.stride(0),
+                                             float(_eps(norm)), float(norm.norm_shift), D=D, BLOCK=block,
+                                             num_warps=_num_warps(block), **pdl(h2))
+    return total, out
 
 
 def launch_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -135,6 +135,29 @@ def test_install_on_a_transformers_module(device, installable, dim):
 
 
 @gpu
+@pytest.mark.parametrize("dim", [384, 5120])
+def test_the_residual_add_and_norm_in_one_kernel_equal_the_two_ops_bit_for_bit(device, installable, dim):
+    """add_then_norm (model.block's residual adds): with the kernel installed, the sum and the norm are the add's
+    and the installed norm's own values exactly; without it (an uninstalled norm) the two ops run."""
+    from engine.norm_triton import add_then_norm
+
+    norm = qwen3_next_norm(dim, torch.bfloat16, device)
+    plain = copy.deepcopy(norm)
+    installable([norm], torch.bfloat16)
+    h, d = randn(1, 4, dim, dtype=torch.bfloat16, device=device), randn(1, 4, dim, dtype=torch.bfloat16,
+                                                                        device=device, seed=3)
+    with torch.inference_mode():
+        total, out = add_then_norm(norm, h, d)
+        assert torch.equal(out, norm(total)) and out.shape == h.shape and not torch.equal(out, total)
+        if device.type == "cuda":
+            assert torch.equal(total, h + d)
+        else:  # Triton's interpreter truncates float32 -> bf16 where torch rounds to nearest: one ulp
+            torch.testing.assert_close(total, h + d, rtol=2**-7, atol=0)
+        total, out = add_then_norm(plain, h[:, 1:], d[:, 1:])  # (strided rows: a view)
+        assert torch.equal(total, h[:, 1:] + d[:, 1:]) and torch.equal(out, plain(h[:, 1:] + d[:, 1:]))
+
+
+@gpu
 def test_install_tells_dense_qwen3s_plain_weight_from_the_zero_centred_one(device, installable):
     """Qwen3RMSNorm multiplies by its weight as stored (about 1), Qwen3-Next's by 1 + weight: each module gets the
     kernel with its own convention, found by the self-check."""

@@ -504,18 +504,20 @@ auto59)  # stop 59 (under 10 minutes): --depth auto with the switch's cost (auto
         "0.92,0.84,0.65,0.54;changing" --max-new-tokens 128 --repeat 2 --no-hf --out "$OUT/auto27b_switch.json" \
         | grep -E "compile|HBM|rror"
   ;;
-conv60)  # stop 60 (under 10 minutes): conv_triton's tests, then each bench with the short conv as one kernel and as
-  # torch ops (MTPCHAT_SHORT_CONV=torch), in one call: the demo model (auto rows included) and the 27B shape uncompiled
-  # (the chat's default; --compile traces the torch form)
-  gpu_tests 120 "$OUT/gpu_tests_conv.log" tests/test_conv_triton.py
+conv60)  # stop 60 (under 10 minutes): the kernels' tests, then each bench with the short conv and the residual adds
+  # with their norms as one kernel each (triton) and as torch ops (torch: MTPCHAT_SHORT_CONV=torch MTPCHAT_ADD_NORM=0),
+  # in one call: the demo model (auto rows included) and the 27B shape uncompiled (the chat's default; --compile
+  # traces the torch forms)
+  gpu_tests 120 "$OUT/gpu_tests_conv.log" tests/test_conv_triton.py tests/test_norm_triton.py
+  arm() { [ $1 = torch ] && echo "MTPCHAT_ADD_NORM=0 MTPCHAT_SHORT_CONV=torch" || echo "MTPCHAT_ADD_NORM=1"; }
   for conv in triton torch; do
-    MTPCHAT_SHORT_CONV=$conv BENCH_TIMEOUT=120 bench --model engine/assets/demo --depths 0,2,3,4,auto --drafter mtp \
-          --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_conv_${conv}.json" | grep -E "auto|mtp|none|rror"
+    (export $(arm $conv); BENCH_TIMEOUT=120 bench --model engine/assets/demo --depths 0,2,3,4,auto --drafter mtp \
+          --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_conv_${conv}.json" | grep -E "auto|mtp|none|rror")
   done
   for conv in triton torch; do
-    [ $SECONDS -lt 480 ] && MTPCHAT_SHORT_CONV=$conv BENCH_TIMEOUT=$((590 - SECONDS)) bench --random-weights qwen3.5-27b \
+    [ $SECONDS -lt 480 ] && (export $(arm $conv); BENCH_TIMEOUT=$((590 - SECONDS)) bench --random-weights qwen3.5-27b \
           --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
-          --out "$OUT/bench27b_conv_${conv}.json" | grep -E "none|oracle|HBM|rror"
+          --out "$OUT/bench27b_conv_${conv}.json" | grep -E "none|oracle|HBM|rror")
   done
   ;;
 esac
