@@ -139,23 +139,30 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, shift: float = 1.0
 
 
 def add_then_norm(norm, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + delta, norm(h + delta)): a residual add and the norm after it. One kernel where the norm has this
-    module's forward (install) and the row fits one block, outside torch.compile (which fuses the two itself):
-    the same values as the two ops, bit for bit, one launch instead of two (eager CUDA graphs run every op as a
-    node of ~2 us: two of these a layer)."""
-    D = h.shape[-1]
-    if (not ADD_NORM or torch.compiler.is_compiling() or "forward" not in vars(norm) or getattr(norm, "norm_shift", None) is None
-            or D > MAX_BLOCK or delta.shape != h.shape or delta.dtype != h.dtype):
+    """(h + delta, norm(h + delta)): a residual add and the norm after it. One kernel where install() gave the
+    norm this module's forward and its add passed the self-check, outside torch.compile (which fuses the two
+    itself): the same values as the two ops, bit for bit, one launch instead of two (eager CUDA graphs run every
+    op as a node of ~2 us: two of these a layer)."""
+    if (not ADD_NORM or torch.compiler.is_compiling() or not getattr(norm, "add_kernel", False)
+            or delta.shape != h.shape or delta.dtype != h.dtype):
         total = h + delta
         return total, norm(total)
+    return launch_add(h, delta, norm.weight, _eps(norm), norm.norm_shift)
+
+
+def launch_add(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, shift: float):
+    """add_then_norm's kernel: (h + delta, its RMSNorm), contiguous tensors of h's shape and dtype (D up to
+    MAX_BLOCK)."""
+    D = h.shape[-1]
+    assert D <= MAX_BLOCK and weight.shape == (D,), (h.shape, weight.shape)
     total = torch.empty_like(h, memory_format=torch.contiguous_format)
     out = torch.empty_like(total)
     if h.numel():
         h2, d2 = rows_of(h, D), rows_of(delta, D)
         block = triton.next_power_of_2(D)
-        _add_rms_norm_kernel[(h2.shape[0],)](h2, d2, norm.weight, total, out, h2.stride(0), d2.stride(0),
-                                             float(_eps(norm)), float(norm.norm_shift), D=D, BLOCK=block,
-                                             num_warps=_num_warps(block), **pdl(h2))
+        _add_rms_norm_kernel[(h2.shape[0],)](h2, d2, weight.contiguous(), total, out, h2.stride(0), d2.stride(0),
+                                             float(eps), float(shift), D=D, BLOCK=block, num_warps=_num_warps(block),
+                                             **pdl(h2))
     return total, out
 
 
@@ -297,7 +304,30 @@ def install(modules: Iterable, device: torch.device | str, dtype: torch.dtype) -
         m.forward = types.MethodType(_fused_forward, m)
     for m in gated:
         m.forward = types.MethodType(_fused_gated_forward, m)
-    return f"Triton fused RMSNorm{' and gated RMSNorm' if gated else ''} (self-check {worst:.1e})"
+    adds = _install_adds(norms, device, dtype)
+    return f"Triton fused RMSNorm{' and gated RMSNorm' if gated else ''} (self-check {worst:.1e}){adds}"
+
+
+def _install_adds(norms: list, device, dtype) -> str:
+    """add_then_norm's kernel for the installed norms whose row fits one block, after its own self-check against
+    the add and the installed norm apart (norm.add_kernel); what was chosen, for install's line."""
+    fits = {_key(m): m for m in norms if m.weight.shape[0] <= MAX_BLOCK}
+    if not fits:
+        return ""
+    try:
+        worst = 0.0
+        for m in fits.values():
+            h, delta = _random_rows(m, device, dtype, 2)
+            with torch.no_grad():
+                total, out = launch_add(h, delta, m.weight, _eps(m), m.norm_shift)
+                worst = max(worst, relative_error(total, h + delta), relative_error(out, m(h + delta)))
+    except Exception as e:  # a Triton / driver failure: the add and the norm stay apart
+        return f"; residual adds apart (Triton add + RMSNorm failed: {type(e).__name__}: {str(e)[:120]})"
+    if not worst < SELF_CHECK_TOL:
+        return f"; residual adds apart (Triton add + RMSNorm self-check failed: error {worst:.1e})"
+    for m in norms:
+        m.add_kernel = _key(m) in fits
+    return f"; residual adds fused with their norms (self-check {worst:.1e})"
 
 
 @contextmanager
