@@ -69,6 +69,7 @@
 #   bash packaging/bench/h200.sh auto58   # --depth auto on the demo model with the head's padded catch-up graphs
 #   bash packaging/bench/h200.sh auto59   # stop 59's chooser (a probe from plain decoding pays the switch): the demo
 #                                         # model's auto trace and bench rows, then the 27B shape's auto rows
+#   bash packaging/bench/h200.sh auto60    # stop 60: the 27B shape's auto rows (stop 59's chooser), AUTO_LIMIT seconds
 #   bash packaging/bench/h200.sh conv60    # stop 60: conv_triton's GPU tests; the demo model and the 27B shape (uncompiled)
 #                                         # with the short conv as one kernel and without (A/B)
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
@@ -503,6 +504,12 @@ auto59)  # stop 59 (under 10 minutes): --depth auto with the switch's cost (auto
         --depths 0,2,3,4,auto --drafter oracle --acceptance 1.0,0.5,0 --acceptance-profile \
         "0.92,0.84,0.65,0.54;changing" --max-new-tokens 128 --repeat 2 --no-hf --out "$OUT/auto27b_switch.json" \
         | grep -E "compile|HBM|rror"
+  ;;
+auto60)  # stop 60 (AUTO_LIMIT seconds, default 330): the 27B shape's auto rows with stop 59's chooser (the switch's
+  # cost; each reply from the prior) and the short-conv / add-norm kernels (--compile traces the torch forms)
+  BENCH_TIMEOUT=${AUTO_LIMIT:-330} bench --random-weights qwen3.5-27b --compile --depths 0,2,3,4,auto --drafter oracle \
+        --acceptance 1.0,0.5,0 --acceptance-profile "0.92,0.84,0.65,0.54;changing" --max-new-tokens 128 --repeat 2 \
+        --no-hf --out "$OUT/auto27b_switch.json" | grep -E "compile|HBM|rror"
   ;;
 conv60)  # stop 60 (under 10 minutes): the kernels' tests, then each bench with the short conv and the residual adds
   # with their norms as one kernel each (triton) and as torch ops (torch: MTPCHAT_SHORT_CONV=torch MTPCHAT_ADD_NORM=0),
