@@ -314,6 +314,8 @@ def _install_adds(norms: list, device, dtype) -> str:
     fits = {_key(m): m for m in norms if m.weight.shape[0] <= MAX_BLOCK}
     if not fits:
         return ""
+    if not ADD_NORM:
+        return "; residual adds apart (MTPCHAT_ADD_NORM=0)"
     try:
         worst = 0.0
         for m in fits.values():

@@ -1,0 +1,79 @@
+"""Kernel launches per plain step and per depth-3 cycle on the demo model, counted on the CPU: every aten op that
+computes (views and allocations excluded) plus one per Triton kernel call, which Triton's interpreter runs here.
+The RMSNorm kernels are on in both arms (as on a GPU); `off` keeps the short conv and the residual adds as torch ops
+(MTPCHAT_SHORT_CONV=torch, MTPCHAT_ADD_NORM=0), `on` runs them as conv_triton's and norm_triton.add_then_norm's
+kernels. Per cycle: the difference between a 16- and a 48-token reply, over their cycles' difference (the prompt's
+prefill cancels). Eager steps in bf16: the GPU's graphs hold fewer kernels a step (no host-side ops), the same
+differences between the arms.
+
+    TRITON_INTERPRET=1 python packaging/bench/launch_census.py off|on
+"""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+if sys.argv[1:] == ["off"]:
+    os.environ["MTPCHAT_SHORT_CONV"], os.environ["MTPCHAT_ADD_NORM"] = "torch", "0"
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from engine import GenerationSettings, conv_triton, gdn, load_engine, norm_triton  # noqa: E402
+from engine.events import Cycle  # noqa: E402
+
+NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "transpose", "t", "unsqueeze", "squeeze", "expand", "permute",
+             "as_strided", "alias", "detach", "split", "split_with_sizes", "unbind", "unfold", "reshape",
+             "_reshape_alias", "lift_fresh", "empty", "empty_like", "new_empty", "empty_strided", "is_same_size",
+             "sym_size", "sym_stride", "diagonal", "narrow", "chunk", "flatten", "view_as"}
+
+
+class Census(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.launches, self.inside = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside and func.overloadpacket.__name__ not in NO_KERNEL:
+            self.launches += 1
+        return func(*args, **(kwargs or {}))
+
+
+census = None
+
+
+def one_launch(kernel):
+    """A Triton kernel's wrapper: one launch, whatever torch ops the interpreter runs inside."""
+    def run(*args, **kwargs):
+        if census is not None:
+            census.launches += 1
+            census.inside += 1
+        try:
+            return kernel(*args, **kwargs)
+        finally:
+            if census is not None:
+                census.inside -= 1
+    return run
+
+
+conv_triton.supported = lambda device, dtype: None  # (the interpreter runs them on the CPU)
+norm_triton._why_not = lambda device, dtype: None
+gdn.conv_gates = one_launch(conv_triton.conv_gates)
+for name in ("launch_add", "rms_norm", "gated_rms_norm"):
+    setattr(norm_triton, name, one_launch(getattr(norm_triton, name)))
+
+engine = load_engine("engine/assets/demo", device="cpu", dtype="bfloat16")
+print("conv1d:", engine.trunk.backends.choice["conv1d"][1])
+print("rmsnorm:", engine.trunk.backends.choice["rmsnorm"][1], "| MTPCHAT_ADD_NORM:", os.environ.get("MTPCHAT_ADD_NORM"))
+prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+for depth in (0, 3):
+    list(engine.generate(prompt, GenerationSettings(max_new_tokens=8, depth=depth, ignore_eos=True)))  # (warm-up)
+    runs = []
+    for n in (16, 48):
+        census = Census()
+        with census:
+            events = list(engine.generate(prompt, GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True)))
+        runs.append((census.launches, sum(isinstance(e, Cycle) for e in events)))
+        census = None
+    (a, ca), (b, cb) = runs
+    print(f"depth {depth}: {(b - a) / (cb - ca):.1f} launches a cycle (launches, cycles: {runs})")
