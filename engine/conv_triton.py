@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from .kernels import relative_error
+from .kernels import relative_error, split_qkv
 from .splitk import pdl
 
 try:
@@ -116,11 +116,13 @@ def conv_gates(mixer, x: torch.Tensor, state: torch.Tensor, b: torch.Tensor, a: 
     """One GDN layer's short conv and gates for T new tokens, in one launch.
 
     x: the conv inputs [C, T] (any strides), state: the conv cache [C, K-1] (unit column stride), b, a [T, Hv]
-    (unit column stride). Writes silu(conv) rows into q, k [T, Hk * Dk] and v [T, Hv * Dv] (unit column stride),
+    (unit column stride). Writes silu(conv) rows into q, k [T, Hk, Dk] and v [T, Hv, Dv] (each row's heads
+    contiguous: stash rows, or kernels.split_qkv's views of one [T, C] output),
     g (float32) and beta [T, Hv] (contiguous), and either window [C, K-1 + T] (unit column stride: a verify pass's
     stash) or, with store_state, the cache itself (plain decoding)."""
     C, T = x.shape
     K1 = state.shape[1]
+    q, k, v = (t.flatten(1) for t in (q, k, v))
     weight, bias = mixer.conv1d.weight, mixer.conv1d.bias
     for t in (state, b, a, q, k, v) + ((window,) if window is not None else ()):
         assert t.stride(-1) == 1, t.stride()
@@ -138,9 +140,9 @@ def conv_gates(mixer, x: torch.Tensor, state: torch.Tensor, b: torch.Tensor, a: 
 def _self_check(mixer, device, dtype) -> float:
     """The kernel against gdn.kernel_inputs' torch form for this mixer's shapes, at one token and at four (window
     and cache variants): the worst relative error over q, k, v, g, beta, the window and the cache."""
-    from .gdn import kernel_inputs, heads
+    from .gdn import heads, kernel_inputs
 
-    hk, dk, hv, dv = heads(mixer)
+    hv = mixer.num_v_heads
     weight = mixer.conv1d.weight
     C, K1 = weight.shape[0], weight.shape[-1] - 1
     gen = torch.Generator(device=device).manual_seed(0)
@@ -150,13 +152,13 @@ def _self_check(mixer, device, dtype) -> float:
         x, state, b, a = rand(C, T), rand(C, K1), rand(T, hv), rand(T, hv)
         window_ref = torch.cat([state, x], -1)
         qkv_ref, g_ref, beta_ref = kernel_inputs(mixer, window_ref.unsqueeze(0), T, b.unsqueeze(0), a.unsqueeze(0))
-        qkv = torch.empty(T, C, device=device, dtype=dtype)
+        qkv = torch.empty(1, T, C, device=device, dtype=dtype)
         g, beta = torch.empty(T, hv, device=device), torch.empty(T, hv, device=device, dtype=dtype)
         window = None if store else torch.empty(C, K1 + T, device=device, dtype=dtype)
         cache = state.clone()
-        conv_gates(mixer, x, cache, b, a, qkv[:, : hk * dk], qkv[:, hk * dk : 2 * hk * dk], qkv[:, 2 * hk * dk :],
-                   g, beta, window=window, store_state=store)
-        pairs = [(qkv, qkv_ref[0]), (g, g_ref[0]), (beta, beta_ref[0])]
+        conv_gates(mixer, x, cache, b, a, *(t[0] for t in split_qkv(qkv, heads(mixer))), g, beta, window=window,
+                   store_state=store)
+        pairs = [(qkv, qkv_ref), (g, g_ref[0]), (beta, beta_ref[0])]
         pairs.append((cache, window_ref[:, T:]) if store else (window, window_ref))
         worst = max([worst] + [relative_error(got, ref) for got, ref in pairs])
     return worst

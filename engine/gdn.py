@@ -155,9 +155,8 @@ def prefill(mixer, x, backends, conv, recurrent, real: torch.Tensor | None = Non
     if real is None and fused(backends, T):  # plain decoding: the conv cache updated by the same launch
         qkv = mixed.new_empty(1, T, mixed.shape[1])
         g, beta = b.new_empty(b.shape, dtype=torch.float32), torch.empty_like(b, memory_format=torch.contiguous_format)
-        hk, dk = mixer.num_k_heads, mixer.head_k_dim
-        conv_gates(mixer, mixed[0], conv, b[0], a[0], qkv[0, :, : hk * dk], qkv[0, :, hk * dk : 2 * hk * dk],
-                   qkv[0, :, 2 * hk * dk :], g[0], beta[0], store_state=True)
+        conv_gates(mixer, mixed[0], conv, b[0], a[0], *(t[0] for t in split_qkv(qkv, heads(mixer))), g[0], beta[0],
+                   store_state=True)
         return output(mixer, kernel.update(qkv, g, beta, recurrent, heads(mixer)), z)
     window = torch.cat([conv.unsqueeze(0), mixed.to(conv.dtype)], -1)
     qkv, g, beta = kernel_inputs(mixer, window, T, b, a)
@@ -179,8 +178,7 @@ def verify(mixer, x, conv, recurrent, backends, rows: tuple) -> torch.Tensor:
     mixed, z, b, a = project(mixer, x)
     window = swindow[:, : K1 + T]
     if fused(backends, T):  # window, stash rows and gates in one launch
-        conv_gates(mixer, mixed[0], conv, b[0], a[0], *(buf[:T].flatten(1) for buf in (sq, sk, sv)), sg[:T],
-                   sbeta[:T], window=window)
+        conv_gates(mixer, mixed[0], conv, b[0], a[0], sq[:T], sk[:T], sv[:T], sg[:T], sbeta[:T], window=window)
         g, beta = sg[:T].unsqueeze(0), sbeta[:T].unsqueeze(0)
     else:
         window[:, :K1] = conv

@@ -11,6 +11,7 @@ import torch
 
 from engine import conv_triton, gdn
 from engine.gdn import heads, kernel_inputs
+from engine.kernels import split_qkv
 from test_exactness import PROMPTS, assert_mtp_drafts_accepted_and_rejected, decode
 from fixtures import greedy_reference
 
@@ -52,12 +53,12 @@ def inputs(m, T, device, dtype):
 
 
 def run(m, x, state, b, a, window=None, store_state=False):
-    T, (hk, dk, hv, _) = x.shape[1], heads(m)
-    qkv = torch.empty(T, x.shape[0], device=x.device, dtype=x.dtype)
+    T, hv = x.shape[1], m.num_v_heads
+    qkv = torch.empty(1, T, x.shape[0], device=x.device, dtype=x.dtype)
     g, beta = torch.empty(T, hv, device=x.device), torch.empty(T, hv, device=x.device, dtype=x.dtype)
-    conv_triton.conv_gates(m, x, state, b, a, qkv[:, : hk * dk], qkv[:, hk * dk : 2 * hk * dk], qkv[:, 2 * hk * dk :],
-                           g, beta, window=window, store_state=store_state)
-    return qkv, g, beta
+    conv_triton.conv_gates(m, x, state, b, a, *(t[0] for t in split_qkv(qkv, heads(m))), g, beta, window=window,
+                           store_state=store_state)
+    return qkv[0], g, beta
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
