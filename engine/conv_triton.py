@@ -73,8 +73,8 @@ if triton is not None:
             tl.store(v_ptr + t * stride_vt + (c - 2 * CK), y, mask=cm & (c >= 2 * CK))
         if WINDOW:  # (a chained pass's cache is the window's own first columns: the same values stored back)
             for i in range(K1 + T):
-                x = _window_at(x_ptr, stride_xt, stride_xc, state_ptr, stride_sc, c, cm, i, K1)
-                tl.store(window_ptr + c * stride_wc + i, x.to(window_ptr.dtype.element_ty), mask=cm)
+                col = _window_at(x_ptr, stride_xt, stride_xc, state_ptr, stride_sc, c, cm, i, K1)
+                tl.store(window_ptr + c * stride_wc + i, col.to(window_ptr.dtype.element_ty), mask=cm)
         if STORE_STATE:  # the cache after the pass: the window's last K1 columns, all read before any is written
             j = tl.arange(0, KP)[None, :]
             cj, cjm = c[:, None], cm[:, None] & (j < K1)
@@ -85,10 +85,10 @@ if triton is not None:
             for start in range(0, T * HV, GATES):
                 e = start + tl.arange(0, GATES)
                 em = e < T * HV
-                t, h = e // HV, e % HV
-                b = tl.load(b_ptr + t * stride_bt + h, mask=em, other=0.0).to(tl.float32)
+                row, h = e // HV, e % HV  # (not t: a name the loop above left an int would be loop-carried)
+                b = tl.load(b_ptr + row * stride_bt + h, mask=em, other=0.0).to(tl.float32)
                 tl.store(beta_ptr + e, (1.0 / (1.0 + tl.exp(-b))).to(beta_ptr.dtype.element_ty), mask=em)
-                a = tl.load(a_ptr + t * stride_at + h, mask=em, other=0.0).to(tl.float32)
+                a = tl.load(a_ptr + row * stride_at + h, mask=em, other=0.0).to(tl.float32)
                 a += tl.load(dt_bias_ptr + h, mask=em, other=0.0)
                 # softplus as torch's (threshold 20), log1p(e) as log(u) * e / (u - 1) (Triton's interpreter has
                 # no log1p; 1 + e alone loses e below float32's epsilon)
