@@ -72,6 +72,7 @@
 #   bash packaging/bench/h200.sh auto60    # stop 60: the 27B shape's auto rows (stop 59's chooser), AUTO_LIMIT seconds
 #   bash packaging/bench/h200.sh conv60    # stop 60: conv_triton's GPU tests; the demo model and the 27B shape (uncompiled)
 #                                         # with the short conv as one kernel and without (A/B)
+#   bash packaging/bench/h200.sh fp8x61    # stop 61 (H200 only): the whole 80B-A3B in FP8, graphs then --compile
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
 #                                         # it, Int4 decoding after an 8k prompt with and without it; FLA's chunked
 #                                         # kernel whole or in slices
@@ -510,6 +511,15 @@ auto60)  # stop 60 (AUTO_LIMIT seconds, default 330): the 27B shape's auto rows 
   BENCH_TIMEOUT=${AUTO_LIMIT:-330} bench --random-weights qwen3.5-27b --compile --depths 0,2,3,4,auto --drafter oracle \
         --acceptance 1.0,0.5,0 --acceptance-profile "0.92,0.84,0.65,0.54;changing" --max-new-tokens 128 --repeat 2 \
         --no-hf --out "$OUT/auto27b_switch.json" | grep -E "compile|HBM|rror"
+  ;;
+fp8x61)  # stop 61 (needs an H200: 80 GB of FP8 weights): the whole 80B-A3B in FP8 in the chat's default (eager
+  # steps in CUDA graphs, where stop 60's short-conv and add+norm kernels run), then --compile (the torch forms traced)
+  for mode in graphs compile; do
+    flag=$([ $mode = compile ] && echo --compile)
+    [ $SECONDS -lt 300 ] && BENCH_TIMEOUT=$((570 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --quant fp8 $flag \
+          --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf \
+          --out "$OUT/bench80b_fp8_${mode}61_h200.json" | grep -E "none|oracle|HBM|rror"
+  done
   ;;
 conv60)  # stop 60 (under 10 minutes): the kernels' tests, then each bench with the short conv and the residual adds
   # with their norms as one kernel each (triton) and as torch ops (torch: MTPCHAT_SHORT_CONV=torch MTPCHAT_ADD_NORM=0),
