@@ -4,13 +4,16 @@ The RMSNorm kernels are on in both arms (as on a GPU); `off` keeps the short con
 (MTPCHAT_SHORT_CONV=torch, MTPCHAT_ADD_NORM=0), `on` runs them as conv_triton's and norm_triton.add_then_norm's
 kernels. Per cycle: the difference between a 16- and a 48-token reply, over their cycles' difference (the prompt's
 prefill cancels). Eager steps in bf16: the GPU's graphs hold fewer kernels a step (no host-side ops), the same
-differences between the arms.
+differences between the arms. The GDN recurrence counts as one launch (kernels.run_gdn: FLA's fused recurrent
+kernel on a GPU; here the torch reference, dozens of ops), so the counts approach a GPU's; the ops that launch
+most per cycle follow each count.
 
     TRITON_INTERPRET=1 python packaging/bench/launch_census.py off|on
 """
 
 import os
 import sys
+from collections import Counter
 
 os.environ["TRITON_INTERPRET"] = "1"
 if sys.argv[1:] == ["off"]:
@@ -19,7 +22,7 @@ if sys.argv[1:] == ["off"]:
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from engine import GenerationSettings, conv_triton, gdn, load_engine, norm_triton  # noqa: E402
+from engine import GenerationSettings, conv_triton, gdn, kernels, load_engine, norm_triton  # noqa: E402
 from engine.events import Cycle  # noqa: E402
 
 NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "transpose", "t", "unsqueeze", "squeeze", "expand", "permute",
@@ -31,22 +34,24 @@ NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "transpose", "t", "unsqu
 class Census(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.launches, self.inside = 0, 0
+        self.launches, self.inside, self.ops = 0, 0, Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.inside and func.overloadpacket.__name__ not in NO_KERNEL:
             self.launches += 1
+            self.ops[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
 census = None
 
 
-def one_launch(kernel):
-    """A Triton kernel's wrapper: one launch, whatever torch ops the interpreter runs inside."""
+def one_launch(kernel, name: str):
+    """A kernel's wrapper: one launch, whatever torch ops the interpreter (or the torch reference) runs inside."""
     def run(*args, **kwargs):
         if census is not None:
             census.launches += 1
+            census.ops[name] += 1
             census.inside += 1
         try:
             return kernel(*args, **kwargs)
@@ -58,9 +63,10 @@ def one_launch(kernel):
 
 conv_triton.supported = lambda device, dtype: None  # (the interpreter runs them on the CPU)
 norm_triton._why_not = lambda device, dtype: None
-gdn.conv_gates = one_launch(conv_triton.conv_gates)
+gdn.conv_gates = one_launch(conv_triton.conv_gates, "conv_gates")
+kernels.run_gdn = one_launch(kernels.run_gdn, "gdn_recurrent")
 for name in ("launch_add", "rms_norm", "gated_rms_norm"):
-    setattr(norm_triton, name, one_launch(getattr(norm_triton, name)))
+    setattr(norm_triton, name, one_launch(getattr(norm_triton, name), name))
 
 engine = load_engine("engine/assets/demo", device="cpu", dtype="bfloat16")
 print("conv1d:", engine.trunk.backends.choice["conv1d"][1])
@@ -73,7 +79,8 @@ for depth in (0, 3):
         census = Census()
         with census:
             events = list(engine.generate(prompt, GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True)))
-        runs.append((census.launches, sum(isinstance(e, Cycle) for e in events)))
+        runs.append((census.launches, sum(isinstance(e, Cycle) for e in events), census.ops))
         census = None
-    (a, ca), (b, cb) = runs
-    print(f"depth {depth}: {(b - a) / (cb - ca):.1f} launches a cycle (launches, cycles: {runs})")
+    (a, ca, ops_a), (b, cb, ops_b) = runs
+    print(f"depth {depth}: {(b - a) / (cb - ca):.1f} launches a cycle (launches, cycles: {[r[:2] for r in runs]})")
+    print("   " + ", ".join(f"{op} {n / (cb - ca):.1f}" for op, n in (ops_b - ops_a).most_common(16)))
