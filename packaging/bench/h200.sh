@@ -73,6 +73,7 @@
 #   bash packaging/bench/h200.sh conv60    # stop 60: conv_triton's GPU tests; the demo model and the 27B shape (uncompiled)
 #                                         # with the short conv as one kernel and without (A/B)
 #   bash packaging/bench/h200.sh fp8x61    # stop 61 (H200 only): the whole 80B-A3B in FP8, graphs then --compile
+#   bash packaging/bench/h200.sh conv61    # stop 61: the short conv's and add+norm's GPU tests, engine-level ones included
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
 #                                         # it, Int4 decoding after an 8k prompt with and without it; FLA's chunked
 #                                         # kernel whole or in slices
@@ -511,6 +512,10 @@ auto60)  # stop 60 (AUTO_LIMIT seconds, default 330): the 27B shape's auto rows 
   BENCH_TIMEOUT=${AUTO_LIMIT:-330} bench --random-weights qwen3.5-27b --compile --depths 0,2,3,4,auto --drafter oracle \
         --acceptance 1.0,0.5,0 --acceptance-profile "0.92,0.84,0.65,0.54;changing" --max-new-tokens 128 --repeat 2 \
         --no-hf --out "$OUT/auto27b_switch.json" | grep -E "compile|HBM|rror"
+  ;;
+conv61)  # stop 61 (about 5 minutes): conv_triton's and the add+norm kernel's GPU tests with the time the engine-level
+  # ones need (stop 61's 120 s ran out while they compiled: only the kernel's value tests ran, 18 of 18 passed)
+  gpu_tests ${TEST_LIMIT:-300} "$OUT/gpu_tests_conv61.log" tests/test_conv_triton.py tests/test_norm_triton.py
   ;;
 fp8x61)  # stop 61 (needs an H200: 80 GB of FP8 weights): the whole 80B-A3B in FP8 in the chat's default (eager
   # steps in CUDA graphs, where stop 60's short-conv and add+norm kernels run), then --compile (the torch forms traced)
