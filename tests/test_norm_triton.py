@@ -296,3 +296,19 @@ def test_the_diagnostics_name_the_gated_norms_kernel(device, installable):  # (i
     backends.choice["gated_rmsnorm"] = ("torch", "module's own gated RMSNorm")  # (select_backends' default)
     choose_norm(backends, [qwen3_next_gated_norm(128, dtype, device)], device, dtype)
     assert backends.choice["gated_rmsnorm"][0] == "triton", backends.choice
+
+
+@pytest.mark.parametrize("kernel, pointers, constants", [
+    ("_rms_norm_kernel", ("x_ptr", "w_ptr", "out_ptr"), {"D": 5120, "BLOCK": 4096}),  # (two passes over the row)
+    ("_rms_norm_kernel", ("x_ptr", "w_ptr", "out_ptr"), {"D": 128, "BLOCK": 128}),
+    ("_add_rms_norm_kernel", ("h_ptr", "d_ptr", "w_ptr", "sum_ptr", "out_ptr"), {"D": 5120, "BLOCK": 8192}),
+    ("_gated_rms_norm_kernel", ("x_ptr", "g_ptr", "w_ptr", "out_ptr"), {"D": 128, "BLOCK": 128, "ROUND": True}),
+])
+def test_the_kernels_compile_for_a_gpu(kernel, pointers, constants):
+    """Triton's interpreter never type-checks as the compiler does (tests/triton_front.py): each norm kernel's
+    front end compiles for sm_90, on this machine without a GPU."""
+    pytest.importorskip("triton")
+    from triton_front import compile_front
+
+    compile_front("engine.norm_triton", kernel, {p: "*bf16" for p in pointers} | {"eps": "fp32", "shift": "fp32"},
+                  constants | {"PDL": True})
