@@ -241,3 +241,29 @@ def test_split_k_leaves_its_tile_counters_at_zero_and_repeats_bit_for_bit(triton
     assert not splitk._locks[x.device].any()
     with pytest.raises(ValueError, match="output tiles"):  # more tiles than counters: refused, not overrun
         splitk.output(1, 1, 2, splitk.TILES + 1, x)
+
+
+_SPLIT = {"X": "*bf16", "S": "*fp32", "Y": "*bf16", "P": "*fp32", "LOCKS": "*i32"}  # (K split: float32 partials)
+
+
+@pytest.mark.parametrize("kernel, types, constants, options", [
+    ("_fp8_rows", {"W": "*fp8e4nv"}, {"KS": 8, "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SCALED": True}, (4, 4)),
+    ("_fp8_rows", {"W": "*bf16"}, {"KS": 8, "BLOCK_M": 4, "BLOCK_N": 64, "BLOCK_K": 128, "SCALED": False}, (8, 3)),
+    ("_fp8_dot", {"W": "*fp8e4nv"},
+     {"KS": 8, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SCALED": True, "BITS": False, "ASM": False}, (4, 3)),
+    ("_fp8_dot", {"W": "*u8"},  # dotbits: the bytes made bf16 by inline PTX
+     {"KS": 8, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SCALED": True, "BITS": True, "ASM": True}, (4, 3)),
+    ("_fp8_stream", {"W": "*fp8e4nv"},
+     {"KS": 5, "BLOCK_N": 4, "BLOCK_K": 1024, "SCALED": True, "EVEN": True, "BITS": False}, (4, 3)),
+    ("_fp8_stream", {"W": "*i32"},  # streambits: the bytes read as words
+     {"KS": 5, "BLOCK_N": 4, "BLOCK_K": 1024, "SCALED": True, "EVEN": True, "BITS": True}, (4, 3)),
+    ("_fp8_stream", {"W": "*bf16"}, {"KS": 2, "BLOCK_N": 8, "BLOCK_K": 2048, "SCALED": False, "EVEN": False}, (4, 4)),
+])
+def test_the_kernels_compile_for_a_gpu(kernel, types, constants, options):
+    """Triton's interpreter never type-checks or lowers a kernel as the compiler does (tests/triton_front.py):
+    each form and configuration kind the tuner times compiles for sm_90, PDL on, without a GPU."""
+    pytest.importorskip("triton")
+    from triton_front import compile_for_gpu
+
+    compile_for_gpu("engine.fp8_triton", kernel, _SPLIT | types, constants | {"PDL": True}, num_warps=options[0],
+                    num_stages=options[1])

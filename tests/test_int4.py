@@ -560,3 +560,25 @@ def _bench_json(capsys, quant):
     main(["bench", "--random-weights", "tiny", "--quant", quant, "--device", "cpu", "--depths", "0",
           "--max-new-tokens", "2", "--repeat", "1", "--no-hf", "--json"])
     return capsys.readouterr().out
+
+
+_PACKED = {"X": "*bf16", "QW": "*i32", "Z": "*u8", "S": "*bf16", "Y": "*bf16", "P": "*fp32", "LOCKS": "*i32"}
+
+
+@pytest.mark.parametrize("kernel, constants, options", [
+    ("_w4a16_row", {"KS": 4, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN": True, "STAGES": 1}, (2, 1)),
+    ("_w4a16_row", {"KS": 16, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN": True, "STAGES": 3}, (2, 3)),  # (cp.async)
+    ("_w4a16_row", {"KS": 8, "BLOCK_N": 32, "BLOCK_K": 32, "EVEN": False, "STAGES": 1}, (1, 1)),
+    ("_w4a16_dot8", {"KS": 8, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "MAGIC": 0x4300, "BASE": 128.0}, (4, 3)),
+    ("_w4a16", {"KS": 8, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}, (4, 3)),
+    ("_dequantize", {"BLOCK_N": 64, "BLOCK_K": 128}, (4, 3)),
+])
+def test_the_kernels_compile_for_a_gpu(kernel, constants, options):
+    """Triton's interpreter never type-checks or lowers a kernel as the compiler does (tests/triton_front.py):
+    each W4A16 form compiles for sm_90, PDL on where it takes it, without a GPU."""
+    pytest.importorskip("triton")
+    from triton_front import compile_for_gpu
+
+    pdl = {} if kernel == "_dequantize" else {"PDL": True}
+    compile_for_gpu("engine.int4_triton", kernel, _PACKED | {"W": "*bf16"}, constants | pdl, num_warps=options[0],
+                    num_stages=options[1])

@@ -1,9 +1,11 @@
-"""Triton's front end (Python AST -> TTIR) for an sm_90 target, on a machine without a GPU.
+"""A Triton kernel compiled for an sm_90 GPU (Triton's whole pipeline: TTIR, TTGIR, LLVM IR, PTX and, with the
+ptxas Triton ships, the cubin) on a machine without a GPU.
 
-Triton's interpreter (TRITON_INTERPRET=1) runs a kernel as numpy and never type-checks it as the compiler does:
-a loop-carried name whose type changes inside a loop runs there and fails to compile on a GPU (stop 60's short
-conv kernel did). The front end needs Triton's CUDA backend package, not a GPU or ptxas. It runs in a child
-process without TRITON_INTERPRET, since under it every @triton.jit function is the interpreter's."""
+Triton's interpreter (TRITON_INTERPRET=1) runs a kernel as numpy and never type-checks or lowers it as the
+compiler does: a loop-carried name whose type changes inside a loop runs there and fails to compile on a GPU
+(stop 60's short conv kernel did, found on the H100 in stop 61). Compiling here catches that class before device
+time is spent. It runs in a child process without TRITON_INTERPRET, since under it every @triton.jit function is
+the interpreter's."""
 
 import json
 import os
@@ -16,41 +18,42 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def compile_front(module: str, kernel: str, types: dict, constants: dict) -> None:
+def compile_for_gpu(module: str, kernel: str, types: dict, constants: dict, **options) -> None:
     """Fails the test with the compiler's message where `module.kernel` does not compile for sm_90 with these
-    constants (the other arguments: types' entry, else i32); skips where this Triton has no such front end."""
+    constants (the other arguments: types' entry, else i32) and launch options (num_warps, num_stages); skips
+    where this Triton cannot compile for CUDA."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, __file__, module, kernel, json.dumps(types), json.dumps(constants)],
-                         capture_output=True, text=True, env=env, timeout=300)
+    args = [module, kernel, json.dumps(types), json.dumps(constants), json.dumps(options)]
+    run = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env, timeout=300)
     if run.returncode == 3:
         pytest.skip(run.stdout.strip())
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-def _main(module: str, kernel: str, types: dict, constants: dict) -> int:
+def _main(module: str, kernel: str, types: dict, constants: dict, options: dict) -> int:
     import importlib
 
     try:
-        from triton._C.libtriton import ir
+        import triton
         from triton.backends.compiler import GPUTarget
-        from triton.backends.nvidia.compiler import CUDABackend
         from triton.compiler import ASTSource
     except ImportError as e:
-        print(f"Triton's CUDA front end is not importable here: {e}")
+        print(f"Triton cannot compile for CUDA here: {e}")
         return 3
     fn = getattr(importlib.import_module(module), kernel)
+    constants = {p.name: p.default for p in fn.params if p.is_constexpr and p.name not in constants} | constants
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
-    target = GPUTarget("cuda", 90, 32)
-    backend = CUDABackend(target)
-    options = backend.parse_options({})
-    context = ir.context()
-    ir.load_dialects(context)
-    backend.load_dialects(context)
-    ASTSource(fn, signature, constants).make_ir(target, options, backend.get_codegen_implementation(options),
-                                               backend.get_module_map(), context)
+    try:
+        triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
+                       options=options)
+    except (FileNotFoundError, RuntimeError) as e:  # (no ptxas or no CUDA backend in this Triton build)
+        if "ptxas" in str(e) or "backend" in str(e).lower():
+            print(f"Triton cannot compile for CUDA here: {e}")
+            return 3
+        raise
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])))
+    sys.exit(_main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), json.loads(sys.argv[5])))
