@@ -62,3 +62,18 @@ def test_split_k_attention_over_an_fp8_cache_equals_the_masked_form_over_its_val
     assert out.dtype == dtype and out.shape == q.shape
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
 
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_kernel_compiles_for_a_gpu(fp8):
+    """Triton's interpreter never type-checks or lowers a kernel as the compiler does (tests/triton_front.py):
+    the split-K decode attention compiles for sm_90 over a 16-bit cache and over an fp8 one, without a GPU."""
+    pytest.importorskip("triton")
+    from engine import attention_triton
+    from triton_front import compile_for_gpu
+
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    types = {"Q": "*bf16", "K": cache, "V": cache, "KS": "*fp32", "VS": "*fp32", "POS": "*i64", "M": "*fp32",
+             "L": "*fp32", "ACC": "*fp32", "scale": "fp32"}
+    compile_for_gpu("engine.attention_triton", "_splits", types,
+                    {"BLOCK_R": 32, "BLOCK_N": 64, "D": 256, "FP8": fp8, "PDL": True}, num_warps=4,
+                    num_stages=attention_triton.STAGES)

@@ -258,6 +258,8 @@ _SPLIT = {"X": "*bf16", "S": "*fp32", "Y": "*bf16", "P": "*fp32", "LOCKS": "*i32
     ("_fp8_stream", {"W": "*i32"},  # streambits: the bytes read as words
      {"KS": 5, "BLOCK_N": 4, "BLOCK_K": 1024, "SCALED": True, "EVEN": True, "BITS": True}, (4, 3)),
     ("_fp8_stream", {"W": "*bf16"}, {"KS": 2, "BLOCK_N": 8, "BLOCK_K": 2048, "SCALED": False, "EVEN": False}, (4, 4)),
+    ("_fp8_dequantize", {"W": "*fp8e4nv"}, {"BLOCK_N": 64, "BLOCK_K": 128}, (4, 3)),  # (long prefills' weights)
+    ("_fp8_quantize_groups", {"Q": "*fp8e4nv"}, {"BLOCK_M": 32, "BLOCK_K": 128}, (4, 3)),  # (FP8 x FP8 prefills)
 ])
 def test_the_kernels_compile_for_a_gpu(kernel, types, constants, options):
     """Triton's interpreter never type-checks or lowers a kernel as the compiler does (tests/triton_front.py):
@@ -265,5 +267,6 @@ def test_the_kernels_compile_for_a_gpu(kernel, types, constants, options):
     pytest.importorskip("triton")
     from triton_front import compile_for_gpu
 
-    compile_for_gpu("engine.fp8_triton", kernel, _SPLIT | types, constants | {"PDL": True}, num_warps=options[0],
+    pdl = {"PDL": True} if kernel.startswith(("_fp8_rows", "_fp8_dot", "_fp8_stream")) else {}
+    compile_for_gpu("engine.fp8_triton", kernel, _SPLIT | types, constants | pdl, num_warps=options[0],
                     num_stages=options[1])

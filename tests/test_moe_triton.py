@@ -213,3 +213,34 @@ def test_every_down_form_matches_and_keeps_rows_batch_invariant(device, form, mo
         assert rel_err(whole, reference) < 1e-5
         for i in range(h.shape[0]):
             assert torch.equal(moe_triton_module.moe_experts(h[i:i + 1], logits[i:i + 1], *args), whole[i:i + 1])
+
+
+_MOE = {"x_ptr": "*bf16", "idx_ptr": "*i64", "act_ptr": "*fp32", "weights_ptr": "*fp32", "s_ptr": "*fp32",
+        "shared_s_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "locks_ptr": "*i32", "logits_ptr": "*bf16"}
+_SHAPE = {"K": 10, "H": 2048, "I": 512}  # (the 80B-A3B's routed experts a token, hidden and intermediate sizes)
+
+
+@pytest.mark.parametrize("module, kernel, types, constants, warps", [
+    ("moe_triton", "_gate_up_kernel", {"w_ptr": "*bf16", "shared_ptr": "*bf16"},
+     _SHAPE | {"SCALED": False, "BLOCK_I": 16, "BLOCK_H": 256}, 4),
+    ("moe_triton", "_gate_up_kernel", {"w_ptr": "*fp8e4nv", "shared_ptr": "*fp8e4nv"},
+     _SHAPE | {"SCALED": True, "BLOCK_I": 16, "BLOCK_H": 256}, 4),
+    ("moe_triton", "_down_kernel", {"w_ptr": "*fp8e4nv", "shared_ptr": "*fp8e4nv"},
+     _SHAPE | {"SCALED": True, "BLOCK_H": 8, "BLOCK_I": 512}, 4),
+    ("moe_triton", "_down_split_kernel", {"w_ptr": "*bf16", "shared_ptr": "*bf16"},
+     _SHAPE | {"SCALED": False, "BLOCK_H": 16, "BLOCK_I": 128}, 8),
+    ("moe_triton", "_route_kernel", {}, {"E": 512, "K": 10, "BLOCK_E": 512, "BLOCK_K": 16, "NORM": True,
+                                         "SHARED": True}, 1),
+    ("int4_moe_triton", "_gate_up_kernel", {"qw_ptr": "*i32", "z_ptr": "*u8", "s_ptr": "*fp16", "perm_ptr": "*i32"},
+     _SHAPE | {"GROUP": 128, "PERM": True, "BLOCK_K": 128, "BLOCK_N": 32}, 4),
+    ("int4_moe_triton", "_down_kernel", {"qw_ptr": "*i32", "z_ptr": "*u8", "s_ptr": "*fp16", "perm_ptr": "*i32"},
+     _SHAPE | {"GROUP": 128, "PERM": False, "BLOCK_K": 128, "BLOCK_N": 32}, 4),
+])
+def test_the_kernels_compile_for_a_gpu(module, kernel, types, constants, warps):
+    """Triton's interpreter never type-checks or lowers a kernel as the compiler does (tests/triton_front.py):
+    the routing and expert kernels (16-bit, FP8 and 4-bit experts) compile for sm_90 without a GPU."""
+    pytest.importorskip("triton")
+    from triton_front import compile_for_gpu
+
+    pdl = {"PDL": True} if module == "moe_triton" else {}
+    compile_for_gpu(f"engine.{module}", kernel, _MOE | types, constants | pdl, num_warps=warps)

@@ -42,6 +42,8 @@ def _main(module: str, kernel: str, types: dict, constants: dict, options: dict)
         print(f"Triton cannot compile for CUDA here: {e}")
         return 3
     fn = getattr(importlib.import_module(module), kernel)
+    while not hasattr(fn, "params"):  # (an autotuned kernel: its JIT function; a configuration's values: constants)
+        fn = fn.fn
     constants = {p.name: p.default for p in fn.params if p.is_constexpr and p.name not in constants} | constants
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
     try:
