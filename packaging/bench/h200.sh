@@ -70,7 +70,7 @@
 #   bash packaging/bench/h200.sh auto59   # stop 59's chooser (a probe from plain decoding pays the switch): the demo
 #                                         # model's auto trace and bench rows, then the 27B shape's auto rows
 #   bash packaging/bench/h200.sh auto60    # stop 60: the 27B shape's auto rows (stop 59's chooser), AUTO_LIMIT seconds
-#   bash packaging/bench/h200.sh conv60    # stop 60: conv_triton's GPU tests; the demo model and the 27B shape (uncompiled)
+#   bash packaging/bench/h200.sh conv60    # stop 60: the demo model and the 27B shape (uncompiled)
 #                                         # with the short conv as one kernel and without (A/B)
 #   bash packaging/bench/h200.sh fp8x61    # stop 61 (H200 only): the whole 80B-A3B in FP8, graphs then --compile
 #   bash packaging/bench/h200.sh conv61    # stop 61: the short conv's and add+norm's GPU tests, engine-level ones included
