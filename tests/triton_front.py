@@ -31,29 +31,35 @@ def compile_for_gpu(module: str, kernel: str, types: dict, constants: dict, **op
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-def _main(module: str, kernel: str, types: dict, constants: dict, options: dict) -> int:
+def compile_kernel(module: str, kernel: str, types: dict, constants: dict, options: dict):
+    """`module.kernel` compiled for sm_90 (Triton's CompiledKernel: asm["ttir" .. "cubin"]); ImportError where
+    this Triton cannot compile for CUDA. Constexpr arguments not given take their defaults; an autotuned kernel
+    is compiled as its JIT function (a configuration's values among the constants)."""
     import importlib
 
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError as e:
-        print(f"Triton cannot compile for CUDA here: {e}")
-        return 3
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     fn = getattr(importlib.import_module(module), kernel)
-    while not hasattr(fn, "params"):  # (an autotuned kernel: its JIT function; a configuration's values: constants)
+    while not hasattr(fn, "params"):
         fn = fn.fn
     constants = {p.name: p.default for p in fn.params if p.is_constexpr and p.name not in constants} | constants
     signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in fn.arg_names}
     try:
-        triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
-                       options=options)
+        return triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32), options=options)
     except (FileNotFoundError, RuntimeError) as e:  # (no ptxas or no CUDA backend in this Triton build)
         if "ptxas" in str(e) or "backend" in str(e).lower():
-            print(f"Triton cannot compile for CUDA here: {e}")
-            return 3
+            raise ImportError(str(e)) from e
         raise
+
+
+def _main(module: str, kernel: str, types: dict, constants: dict, options: dict) -> int:
+    try:
+        compile_kernel(module, kernel, types, constants, options)
+    except ImportError as e:
+        print(f"Triton cannot compile for CUDA here: {e}")
+        return 3
     return 0
 
 
