@@ -155,9 +155,10 @@ def prefill(mixer, x, backends, conv, recurrent, real: torch.Tensor | None = Non
     if real is None and fused(backends, T):  # plain decoding: the conv cache updated by the same launch
         qkv = mixed.new_empty(1, T, mixed.shape[1])
         g, beta = b.new_empty(b.shape, dtype=torch.float32), torch.empty_like(b, memory_format=torch.contiguous_format)
-        conv_gates(mixer, mixed[0], conv, b[0], a[0], *(t[0] for t in split_qkv(qkv, heads(mixer))), g[0], beta[0],
+        dims = heads(mixer)
+        conv_gates(mixer, mixed[0], conv, b[0], a[0], *(t[0] for t in split_qkv(qkv, dims)), g[0], beta[0],
                    store_state=True)
-        return output(mixer, kernel.update(qkv, g, beta, recurrent, heads(mixer)), z)
+        return output(mixer, kernel.update(qkv, g, beta, recurrent, dims), z)
     window = torch.cat([conv.unsqueeze(0), mixed.to(conv.dtype)], -1)
     qkv, g, beta = kernel_inputs(mixer, window, T, b, a)
     if real is not None:

@@ -176,5 +176,5 @@ def test_the_kernel_compiles_for_a_gpu(window, store_state, bias):
     pointers = ["x_ptr", "state_ptr", "w_ptr", "bias_ptr", "window_ptr", "q_ptr", "k_ptr", "v_ptr", "b_ptr", "a_ptr"]
     types = {p: "*bf16" for p in pointers} | {p: "*fp32" for p in ("decay_ptr", "dt_bias_ptr", "g_ptr", "beta_ptr")}
     compile_for_gpu("engine.conv_triton", "_conv_gates_kernel", types,
-                  {"K1": 3, "KP": 4, "HAS_BIAS": bias, "WINDOW": window, "STORE_STATE": store_state,
-                   "BLOCK": conv_triton.BLOCK_C, "GATES": conv_triton.BLOCK_G, "PDL": True}, num_warps=1)
+                    {"K1": 3, "KP": 4, "HAS_BIAS": bias, "WINDOW": window, "STORE_STATE": store_state,
+                     "BLOCK": conv_triton.BLOCK_C, "GATES": conv_triton.BLOCK_G, "PDL": True}, num_warps=1)

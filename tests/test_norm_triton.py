@@ -311,4 +311,4 @@ def test_the_kernels_compile_for_a_gpu(kernel, pointers, constants):
     from triton_front import compile_for_gpu
 
     compile_for_gpu("engine.norm_triton", kernel, {p: "*bf16" for p in pointers} | {"eps": "fp32", "shift": "fp32"},
-                  constants | {"PDL": True}, num_warps=norm_triton._num_warps(constants["BLOCK"]))
+                    constants | {"PDL": True}, num_warps=norm_triton._num_warps(constants["BLOCK"]))

@@ -526,7 +526,7 @@ fp8x61)  # stop 61 (needs an H200: 80 GB of FP8 weights): the whole 80B-A3B in F
           --out "$OUT/bench80b_fp8_${mode}61_h200.json" | grep -E "none|oracle|HBM|rror"
   done
   ;;
-conv60)  # stop 60 (under 10 minutes): the kernels' tests, then each bench with the short conv and the residual adds
+conv60)  # stop 60 (under 10 minutes): each bench with the short conv and the residual adds
   # with their norms as one kernel each (triton) and as torch ops (torch: MTPCHAT_SHORT_CONV=torch MTPCHAT_ADD_NORM=0),
   # in one call: the demo model (auto rows included) and the 27B shape uncompiled (the chat's default; --compile
   # traces the torch forms)
