@@ -234,6 +234,7 @@ class Backends:
     decode_attention: str = "masked"  # graph-mode attention: "masked" (model) or "triton" (attention_triton)
     kv_cache: str = "auto"  # the attention KV cache's storage: "auto" (the model's dtype) or "fp8" (cache.py)
     short_conv: str = "torch"  # GDN's short conv and gates at decode / verify widths: "torch" or "triton" (conv_triton)
+    rope: str = "torch"  # the rotary embedding's table and rotation: "torch" or "triton" (rope_triton)
     choice: dict[str, tuple[str, str]] = field(default_factory=dict)  # op -> (backend, reason)
 
 

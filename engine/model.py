@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams
 
-from . import conv_triton, fp8, gdn, int4
+from . import conv_triton, fp8, gdn, int4, rope_triton
 from .cache import FP8, KVCache, GDNState, dequantize_kv, kv_write, kv_write_at
 from .checkpoint import TensorFiles, model_dir, read_json
 from .context import kv_cache_dtype
@@ -55,10 +55,13 @@ class Rotary(torch.nn.Module):
         return (emb.cos() * self.scaling).to(dtype), sin.to(dtype)
 
 
-def apply_rope(q, k, cos, sin):
+def apply_rope(q, k, cos, sin, fused: bool = False):
     """Partial rotary embedding (Rotary's cos and signed sin): only the first cos.shape[-1] dims of each head
     rotate. Queries and keys [B, heads, T, D] rotate as one tensor: the same elementwise ops (the same numbers)
-    in half the launches, which at batch 1 are the cost."""
+    in half the launches, which at batch 1 are the cost. fused (Backends.rope == "triton"): rope_triton's one
+    launch, where it takes the layout."""
+    if fused and rope_triton.rotatable(q, k, cos):
+        return rope_triton.rotate(q, k, cos, sin)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rd, hq = cos.shape[-1], q.shape[1]
     qk = torch.cat([q, k], 1)
@@ -108,9 +111,10 @@ def causal_attention(q, keys, values, pos: int, scale: float) -> torch.Tensor:
 TRITON_MIN_CAPACITY = 40960
 
 
-def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, path: str = "masked") -> torch.Tensor:
+def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, path: str = "masked",
+              rope: str = "torch") -> torch.Tensor:
     """Gated full attention (Qwen3-Next / 3.5): q_proj yields the query and a sigmoid output gate. path: the
-    graph-mode attention (Backends.decode_attention)."""
+    graph-mode attention (Backends.decode_attention); rope: Backends.rope."""
     B, T, _ = x.shape
     hd = attn.head_dim
     qg, k, v = linears(attn, ("q_proj", "k_proj", "v_proj"), x)
@@ -121,7 +125,7 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, 
     q = attn.q_norm(q).transpose(1, 2)
     k = attn.k_norm(k.reshape(B, T, -1, hd)).transpose(1, 2)
     v = v.reshape(B, T, -1, hd).transpose(1, 2)
-    q, k = apply_rope(q, k, cos, sin)
+    q, k = apply_rope(q, k, cos, sin, fused=rope == "triton")
     if values is None:  # a sliding-window layer: `keys` is its ring (rotating_cache.RingLayer); in graph mode over
         # the masked form, as full attention's below (a few queries: SDPA's fused kernels cost like a prefill)
         o = keys.attend(q, k, v, attn.scaling, None if isinstance(pos, int) else masked_decode_attention)
@@ -402,7 +406,7 @@ def block(trunk, layer, kind: str, h, pending, pos, cos, sin, state: tuple, rows
         else:
             x = gdn.prefill(layer.linear_attn, x, trunk.backends, *state)
     else:  # full attention, or a sliding window (state: its ring, rotating_cache.RotatingKV.layer)
-        x = attention(layer.self_attn, x, pos, cos, sin, *state, trunk.backends.decode_attention)
+        x = attention(layer.self_attn, x, pos, cos, sin, *state, trunk.backends.decode_attention, trunk.backends.rope)
     h, x = add_then_norm(layer.post_attention_layernorm, h, trunk.reduce(x))
     return h, trunk.reduce(mlp(layer, x, trunk.backends.moe))
 
@@ -442,6 +446,7 @@ class Trunk:
         fuse_all(self.layers)
         gdn.keep_constants(self.layers)
         conv_triton.install(self.backends, self.layers, self.device, self.dtype)
+        rope_triton.install(self.backends, self.rotary, self.config, self.device, self.dtype)
         choose_moe(self)
         choose_norm(self.backends, self.lm.modules(), self.device, self.dtype)
         choose_fp8(self.backends, self.lm.modules(), self.device, self.dtype)
@@ -505,7 +510,9 @@ class Trunk:
 
     def rope(self, pos, T: int):
         """cos, sin [1, T, rotary dim] of positions pos..pos+T-1: the trunk's layers and the MTP head's (a verify
-        graph with the head's refresh computes them once for both)."""
+        graph with the head's refresh computes them once for both); one launch where Backends.rope is "triton"."""
+        if self.backends.rope == "triton" and not torch.compiler.is_compiling():
+            return rope_triton.table(self.rotary, pos, T, self.dtype, self.device)
         ids = torch.arange(pos, pos + T, device=self.device) if isinstance(pos, int) else self.positions(pos, T)
         return self.rotary(ids.unsqueeze(0), self.dtype)
 

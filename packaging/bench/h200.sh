@@ -74,6 +74,9 @@
 #                                         # with the short conv as one kernel and without (A/B)
 #   bash packaging/bench/h200.sh fp8x61    # stop 61 (H200 only): the whole 80B-A3B in FP8, graphs then --compile
 #   bash packaging/bench/h200.sh conv61    # stop 61: the short conv's and add+norm's GPU tests, engine-level ones included
+#   bash packaging/bench/h200.sh rope62    # stop 62: the rotary embedding's kernels' GPU tests; the demo model with them
+#                                         # and without (MTPCHAT_ROPE=torch), A/B in one call
+#   bash packaging/bench/h200.sh rope62b   # stop 62: the 27B shape (uncompiled: the chat's default) with and without them
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
 #                                         # it, Int4 decoding after an 8k prompt with and without it; FLA's chunked
 #                                         # kernel whole or in slices
@@ -524,6 +527,23 @@ fp8x61)  # stop 61 (needs an H200: 80 GB of FP8 weights): the whole 80B-A3B in F
     [ $SECONDS -lt 300 ] && BENCH_TIMEOUT=$((570 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --quant fp8 $flag \
           --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf \
           --out "$OUT/bench80b_fp8_${mode}61_h200.json" | grep -E "none|oracle|HBM|rror"
+  done
+  ;;
+rope62)  # stop 62 (about 7 minutes): rope_triton's GPU tests (bit-equality with the torch form included), then
+  # the demo model's plain and MTP rows with the two rope kernels and without them, in one call
+  gpu_tests ${TEST_LIMIT:-200} "$OUT/gpu_tests_rope62.log" tests/test_rope_triton.py
+  for rope in triton torch; do
+    [ $SECONDS -lt 420 ] && (export MTPCHAT_ROPE=$rope; BENCH_TIMEOUT=$((560 - SECONDS)) bench --model engine/assets/demo \
+          --depths 0,2,3,auto --drafter mtp --max-new-tokens 256 --repeat 3 --no-hf \
+          --out "$OUT/bench_demo_rope_${rope}.json" | grep -E "auto|mtp|none|rror")
+  done
+  ;;
+rope62b)  # stop 62 (about 6 minutes): the 27B shape uncompiled (the chat's default: eager steps in CUDA graphs) with
+  # the rope kernels and without
+  for rope in triton torch; do
+    [ $SECONDS -lt 400 ] && (export MTPCHAT_ROPE=$rope; BENCH_TIMEOUT=$((580 - SECONDS)) bench --random-weights qwen3.5-27b \
+          --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
+          --out "$OUT/bench27b_rope_${rope}.json" | grep -E "none|oracle|HBM|rror")
   done
   ;;
 conv60)  # stop 60 (under 10 minutes): each bench with the short conv and the residual adds

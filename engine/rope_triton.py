@@ -1,0 +1,169 @@
+"""Rotary embedding on CUDA in 16-bit as two Triton kernels: the cos / sin table of a pass's positions, and the
+rotation of one attention layer's queries and keys.
+
+model.Rotary's torch form is about ten kernels a pass (positions, the product with inv_freq, cat, sin, cos, the
+scaling, the sign, two casts) and model.apply_rope six a layer (cat of q and k, the rotary half's two products,
+the roll, the sum, cat with the pass-through dims). The engine runs its CUDA graphs without torch.compile by
+default, so each is a graph node of ~2 us: on the demo model a plain step had 21 of its 150 launches here and a
+depth-3 cycle ~70 of its ~300 (packaging/bench/launch_census.py), the head's passes rope's own each time.
+
+Both kernels do the torch form's arithmetic in its order, rounding where it rounds: float32 angles
+(position.float() * inv_freq), sin and cos (tl.sin / tl.cos: libdevice's __nv_sinf / __nv_cosf, CUDA's sinf / cosf, which torch's kernels call), times the
+scaling, cast to the activations' dtype; then x * cos and roll(x) * sin each rounded to that dtype, and their sum.
+The self-check at load compares them with the torch form (install). Under torch.compile the torch form runs
+(inductor fuses it with its neighbours).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .kernels import relative_error
+from .splitk import pdl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the module still imports, install() says why not
+    triton = None
+
+SELF_CHECK_TOL = 2e-2  # worst relative error against the torch form (as norm_triton; on a GPU the forms agree bit
+# for bit where sin / cos do; Triton's interpreter truncates to bf16 where a GPU rounds: ~1e-2 there)
+
+
+if triton is not None:
+    from .splitk import after_previous
+
+    @triton.jit
+    def _table_kernel(pos_ptr, pos0, inv_ptr, cos_ptr, sin_ptr, scaling, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                      ON_DEVICE: tl.constexpr, PDL: tl.constexpr = False):
+        """Row t of cos and of the signed sin [T, 2 * HALF]: position pos_ptr[t] (ON_DEVICE) or pos0 + t."""
+        after_previous(PDL)
+        t = tl.program_id(0)
+        if ON_DEVICE:
+            p = tl.load(pos_ptr + t).to(tl.float32)
+        else:
+            p = (pos0 + t).to(tl.float32)
+        i = tl.arange(0, BLOCK)
+        m = i < HALF
+        f = p * tl.load(inv_ptr + i, mask=m, other=0.0)
+        c = (tl.cos(f) * scaling).to(cos_ptr.dtype.element_ty)
+        s = tl.sin(f) * scaling
+        row = t * 2 * HALF
+        tl.store(cos_ptr + row + i, c, mask=m)
+        tl.store(cos_ptr + row + HALF + i, c, mask=m)
+        tl.store(sin_ptr + row + i, (-s).to(sin_ptr.dtype.element_ty), mask=m)  # (the first half's sign)
+        tl.store(sin_ptr + row + HALF + i, s.to(sin_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _rotate_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, out_ptr, sq_h, sq_t, sk_h, sk_t, T, HQ,
+                       D: tl.constexpr, RD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """One head row (head h of q, then of k, at token t) of out [HQ + HK, T, D]: its first RD dims rotated,
+        the rest copied."""
+        after_previous(PDL)
+        row = tl.program_id(0)
+        h, t = row // T, row % T
+        if h < HQ:
+            src = q_ptr + h * sq_h + t * sq_t
+        else:
+            src = k_ptr + (h - HQ) * sk_h + t * sk_t
+        d = tl.arange(0, BLOCK)
+        rot = d < RD
+        x = tl.load(src + d, mask=d < D, other=0.0)
+        partner = tl.where(d < RD // 2, d + RD // 2, d - RD // 2)  # roll(x, RD / 2) over the rotary dims
+        xr = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + t * RD + d, mask=rot, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * RD + d, mask=rot, other=0.0).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        y = ((x.to(tl.float32) * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + row * D + d, tl.where(rot, y, x), mask=d < D)
+
+
+def supported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the torch form stays here, or None."""
+    if triton is None:
+        return "triton not installed"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{str(dtype).removeprefix('torch.')}: the exact reference path"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "not CUDA"
+    return None
+
+
+def table(rotary, pos, T: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """model.Rotary's (cos, sin) [1, T, rotary dim] of positions pos..pos+T-1 (pos an int) or of the positions
+    pos [T] on the device, in one launch."""
+    half = rotary.inv_freq.shape[0]
+    cos = torch.empty(1, T, 2 * half, device=device, dtype=dtype)
+    sin = torch.empty_like(cos)
+    on_device = isinstance(pos, torch.Tensor)
+    _table_kernel[(T,)](pos if on_device else cos, 0 if on_device else pos, rotary.inv_freq, cos, sin,
+                        float(rotary.scaling), HALF=half, BLOCK=triton.next_power_of_2(half), ON_DEVICE=on_device,
+                        num_warps=1, **pdl(cos))
+    return cos, sin
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """model.apply_rope in one launch: q [1, HQ, T, D], k [1, HK, T, D] (any head and token strides, unit
+    stride along D), cos / sin [1, T, RD] contiguous; the rotated (q, k) as views of one [1, HQ + HK, T, D]."""
+    _, hq, T, D = q.shape
+    hk, rd = k.shape[1], cos.shape[-1]
+    out = torch.empty(1, hq + hk, T, D, device=q.device, dtype=q.dtype)
+    _rotate_kernel[((hq + hk) * T,)](q, k, cos, sin, out, q.stride(1), q.stride(2), k.stride(1), k.stride(2), T, hq,
+                                     D=D, RD=rd, BLOCK=triton.next_power_of_2(D), num_warps=1,
+                                     enable_fp_fusion=False, **pdl(q))  # (no FMA: each product rounds, as torch's)
+    return out[:, :hq], out[:, hq:]
+
+
+def rotatable(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
+    """The layouts rotate() takes (batch 1, unit stride along D, a contiguous table), outside torch.compile's
+    tracing: anything else takes the torch form."""
+    return (q.shape[0] == 1 and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.is_contiguous()
+            and not torch.compiler.is_compiling())
+
+
+def _self_check(rotary, heads: tuple[int, int], head_dim: int, device, dtype) -> float:
+    """Both kernels against the torch form (model.Rotary, model.apply_rope) at one token and at four, at positions
+    near 0 and far out (device positions and an int start), with strided queries as attention makes them."""
+    from .model import apply_rope
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    hq, hk = heads
+    worst = 0.0
+    for T, start in ((1, 7), (4, 131_000)):
+        ids = torch.arange(start, start + T, device=device)
+        ref_cos, ref_sin = rotary(ids.unsqueeze(0), dtype)
+        for pos in (start, ids):
+            cos, sin = table(rotary, pos, T, dtype, torch.device(device))
+            worst = max(worst, relative_error(cos, ref_cos), relative_error(sin, ref_sin))
+        qg = torch.randn(1, T, hq, 2 * head_dim, generator=gen, device=device).to(dtype)
+        q = qg[..., :head_dim].transpose(1, 2)  # (attention's: half of q_proj's rows, heads then tokens)
+        k = torch.randn(1, T, hk, head_dim, generator=gen, device=device).to(dtype).transpose(1, 2)
+        for got, ref in zip(rotate(q, k, ref_cos, ref_sin), apply_rope(q, k, ref_cos, ref_sin)):
+            worst = max(worst, relative_error(got, ref))
+    return worst
+
+
+def install(backends, rotary, config, device, dtype) -> None:
+    """backends.rope = "triton" where the kernels may run and pass their self-check on this model's heads; the
+    reason in backends.choice["rope"] either way."""
+    why = supported(torch.device(device), dtype)
+    if why is None and os.environ.get("MTPCHAT_ROPE") == "torch":
+        why = "MTPCHAT_ROPE=torch"
+    if why is None:
+        try:
+            heads = (config.num_attention_heads, config.num_key_value_heads)
+            with torch.no_grad():
+                worst = _self_check(rotary, heads, config.head_dim, device, dtype)
+            if not worst < SELF_CHECK_TOL:  # (NaN too)
+                why = f"Triton rope self-check failed: error {worst:.1e}"
+        except Exception as e:  # a Triton / driver failure: the torch form stays
+            why = f"Triton rope failed: {type(e).__name__}: {str(e)[:120]}"
+    if why is None:
+        backends.rope = "triton"
+        backends.choice["rope"] = ("triton", "cos / sin table in one Triton kernel a pass, queries and keys rotated "
+                                             f"in one a layer (self-check {worst:.1e})")
+    else:
+        backends.choice["rope"] = ("torch", f"rotary embedding as torch ops ({why})")
