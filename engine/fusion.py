@@ -15,7 +15,7 @@ from itertools import groupby
 import torch
 import torch.nn.functional as F
 
-from . import fp8
+from . import fp8, swiglu_triton
 from .int4 import Int4Linear
 from .int4 import fuse as fuse_int4
 
@@ -120,6 +120,9 @@ def _fused_outputs(module, run: tuple[str, ...], x: torch.Tensor) -> tuple[torch
 
 
 def dense_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU MLP (transformers' *MLP.forward) with gate and up as one matmul."""
+    """SwiGLU MLP (transformers' *MLP.forward) with gate and up as one matmul; silu(gate) * up in one launch where
+    swiglu_triton.install marked the module (CUDA, 16-bit)."""
     gate, up = linears(mlp, ("gate_proj", "up_proj"), x)
+    if getattr(mlp, "swiglu", False) and swiglu_triton.takes(gate, up):
+        return mlp.down_proj(swiglu_triton.swiglu(gate, up))
     return mlp.down_proj(mlp.act_fn(gate) * up)

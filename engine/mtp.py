@@ -12,7 +12,7 @@ import copy
 import torch
 from torch import nn
 
-from . import fp8, int4
+from . import fp8, int4, swiglu_triton
 from .cache import KVCache
 from .errors import EngineError
 from .families import fuse_experts
@@ -104,6 +104,7 @@ class MTPHead(nn.Module):
         install_linear16(self.modules(), trunk.device, trunk.dtype)  # its 16-bit ones (model.choose_linear16)
         install_cpu_linear(self.modules(), trunk.device, trunk.dtype)  # its float32 ones (model.choose_cpu_linear)
         int4.choose(None, self.modules(), trunk.device, trunk.dtype)  # and its 4-bit ones
+        swiglu_triton.install(None, self.modules(), trunk.device, trunk.dtype)  # its MLP's activation
         return self
 
     def new_cache(self) -> KVCache:

@@ -37,8 +37,11 @@ CPU_MS_ONEDNN = {0: 12.0, 1: 16.4, 2: 20.3, 3: 24.3, 4: 27.4}
 # tok/s; depth 1 not a row there, guessed below depth 2). Its catch-up after plain steps is one padded graph replay
 # whatever their number: --switch-ms 0.33 (the refresh phase of a probe's cycle), no cost a token
 GPU_DEMO_MS = {0: 0.449, 1: 0.80, 2: 0.94, 3: 1.065, 4: 1.169}
+# the same with stop 60's and stop 62's kernels (bench_demo_rope_triton_h100.json: depths 0, 2, 3 from tokens a cycle /
+# tok/s; 1 and 4 guessed from their neighbours' step)
+GPU_DEMO_MS_62 = {0: 0.304, 1: 0.62, 2: 0.724, 3: 0.822, 4: 0.92}
 COSTS = {"h200-27b": (COST_MS, 0.0), "cpu-demo": (CPU_MS, 0.05), "cpu-demo-now": (CPU_MS_NOW, 0.09),
-         "cpu-demo-onednn": (CPU_MS_ONEDNN, 0.07), "h100-demo": (GPU_DEMO_MS, 0.0)}
+         "cpu-demo-onednn": (CPU_MS_ONEDNN, 0.07), "h100-demo": (GPU_DEMO_MS, 0.0), "h100-demo-62": (GPU_DEMO_MS_62, 0.0)}
 CATCH_UP_MS, NOISE, SWITCH_MS, RESUME = 0.0, 0.0, 0.0, None  # (main sets them, and COST_MS)
 EASY, HARD = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.0]  # cmd_bench's 'changing' profile
 PROFILES = {
@@ -52,6 +55,9 @@ PROFILES = {
     "demo": lambda made, n: [0.71, 0.64, 0.85, 0.77],
     # the same head in bf16 on a GPU (bench_demo_carried_h100.json's depth 4 row, 0.64 0.41 0.34 0.29 unconditional)
     "demo-gpu": lambda made, n: [0.64, 0.64, 0.83, 0.85],
+    # and with stop 62's kernels (bench_demo_rope_triton_h100.json's depth 3 row, 0.73 0.62 0.55 unconditional; the
+    # 4th position guessed)
+    "demo-gpu-62": lambda made, n: [0.73, 0.85, 0.89, 0.85],
 }
 
 

@@ -77,6 +77,10 @@
 #   bash packaging/bench/h200.sh rope62    # stop 62: the rotary embedding's kernels' GPU tests; the demo model with them
 #                                         # and without (MTPCHAT_ROPE=torch), A/B in one call
 #   bash packaging/bench/h200.sh rope62b   # stop 62: the 27B shape (uncompiled: the chat's default) with and without them
+#   bash packaging/bench/h200.sh swiglu62  # stop 62: the SwiGLU kernel's GPU tests; the demo model with it and without
+#                                         # (MTPCHAT_SWIGLU=torch); the demo's cycle profile; probes' acceptance
+#   bash packaging/bench/h200.sh fp8x62    # stop 62 (H200 only): the whole 80B-A3B in FP8 --compile (the rope table now
+#                                         # one launch a pass outside the compiled blocks), then the 27B shape bf16 --compile
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
 #                                         # it, Int4 decoding after an 8k prompt with and without it; FLA's chunked
 #                                         # kernel whole or in slices
@@ -545,6 +549,29 @@ rope62b)  # stop 62 (about 6 minutes): the 27B shape uncompiled (the chat's defa
           --depths 0,3 --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf \
           --out "$OUT/bench27b_rope_${rope}.json" | grep -E "none|oracle|HBM|rror")
   done
+  ;;
+swiglu62)  # stop 62 (about 6 minutes): swiglu_triton's GPU tests; the demo model's plain and depth-3 rows with the
+  # kernel and without (both with the rope kernels); where a depth-3 cycle's kernel time goes (profile_cycle.py);
+  # whether probes from plain decoding accept as depth-1 cycles in a row do (probe_acceptance.py)
+  gpu_tests ${TEST_LIMIT:-150} "$OUT/gpu_tests_swiglu62.log" tests/test_swiglu_triton.py
+  for act in triton torch; do
+    [ $SECONDS -lt 300 ] && (export MTPCHAT_SWIGLU=$act; BENCH_TIMEOUT=100 bench --model engine/assets/demo --depths 0,3 \
+          --drafter mtp --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_swiglu_${act}.json" \
+          | grep -E "mtp|none|rror")
+  done
+  [ $SECONDS -lt 330 ] && timeout 90 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
+        --json "$OUT/cycle_demo_62.json" 2>&1 | grep -E "^depth|rror"
+  [ $SECONDS -lt 360 ] && timeout 60 python3 packaging/bench/probe_acceptance.py --device cuda --dtype bfloat16 --every 1,17 \
+        --graphs 1 --tokens 300 --json "$OUT/probe_acceptance_demo.json" 2>&1 | grep -E "^graphs|rror"
+  ;;
+fp8x62)  # stop 62 (needs an H200: 80 GB of FP8 weights): #23's whole 80B-A3B in FP8, compiled, as its record
+  # (299.4 tok/s); then, as time allows, #28's 27B shape in bf16, compiled, plain and depth 3
+  BENCH_TIMEOUT=400 bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 --drafter oracle \
+        --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_compile62_h200.json" \
+        | grep -E "none|oracle|HBM|rror"
+  [ $SECONDS -lt 420 ] && BENCH_TIMEOUT=$((580 - SECONDS)) bench --random-weights qwen3.5-27b --compile --depths 0,3 \
+        --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_compile62_h200.json" \
+        | grep -E "none|oracle|HBM|rror"
   ;;
 conv60)  # stop 60 (under 10 minutes): each bench with the short conv and the residual adds
   # with their norms as one kernel each (triton) and as torch ops (torch: MTPCHAT_SHORT_CONV=torch MTPCHAT_ADD_NORM=0),

@@ -31,7 +31,7 @@ def generate(engine: Engine, depth: int, n: int) -> int:
 
 
 def busy_ms(events) -> tuple[float, int, dict, dict]:
-    """GPU busy time (union of kernel intervals, ms), kernel count, ms per kernel family, launches per name."""
+    """GPU busy time (union of kernel intervals, ms), kernel count, ms per kernel family, (launches, ms) per name."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
                    if e.device_type == torch.autograd.DeviceType.CUDA)
     total, end, fam, named = 0.0, -1.0, {}, {}
@@ -41,7 +41,8 @@ def busy_ms(events) -> tuple[float, int, dict, dict]:
             end = b
         key = name.split("<")[0][:60]
         fam[key] = fam.get(key, 0.0) + (b - a) / 1e3
-        named[name[:150]] = named.get(name[:150], 0) + 1
+        n, ms = named.get(name[:150], (0, 0.0))
+        named[name[:150]] = (n + 1, ms + (b - a) / 1e3)
     return total / 1e3, len(spans), fam, named
 
 
@@ -97,12 +98,14 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         busy, kernels, fam, named = busy_ms(prof.events())
         top = sorted(fam.items(), key=lambda kv: -kv[1])[:8]
-        most = sorted(named.items(), key=lambda kv: -kv[1])[:40]  # which launches a cycle repeats: copies, wheres
+        most = sorted(named.items(), key=lambda kv: -kv[1][0])[:40]  # which launches a cycle repeats: copies, wheres
+        dearest = sorted(named.items(), key=lambda kv: -kv[1][1])[:40]  # where a cycle's kernel time goes, by name
         row = {"depth": depth, "tokens": args.tokens, "cycles": cycles, "wall_ms_per_token": wall / args.tokens,
                "wall_ms_per_cycle": wall / cycles, "gpu_busy_ms_per_cycle": busy / cycles,
                "gpu_busy_fraction": busy / wall, "kernels_per_cycle": kernels / cycles,
                "top_kernels_ms_per_cycle": {k: v / cycles for k, v in top},
-               "launches_per_cycle_by_name": {k: v / cycles for k, v in most}}
+               "launches_per_cycle_by_name": {k: n / cycles for k, (n, _) in most},
+               "ms_per_cycle_by_name": {k: [round(ms / cycles, 5), round(n / cycles, 2)] for k, (n, ms) in dearest}}
         if args.host:
             row["host"] = host_time(engine, depth, args.tokens)
         rows.append(row)
