@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from .kernels import relative_error, split_qkv
+from .kernels import relative_error, split_qkv, supported
 from .splitk import pdl
 
 try:
@@ -97,17 +97,6 @@ if triton is not None:
                 soft = tl.where(u == 1.0, ea, tl.log(u) * ea / tl.where(u == 1.0, 1.0, u - 1.0))
                 soft = tl.where(a > 20.0, a, soft)
                 tl.store(g_ptr + e, tl.load(decay_ptr + h, mask=em, other=0.0) * soft, mask=em)
-
-
-def supported(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the torch form stays here, or None."""
-    if triton is None:
-        return "triton not installed"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"{str(dtype).removeprefix('torch.')}: the exact reference path"
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return "not CUDA"
-    return None
 
 
 def conv_gates(mixer, x: torch.Tensor, state: torch.Tensor, b: torch.Tensor, a: torch.Tensor, q: torch.Tensor,

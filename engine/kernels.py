@@ -7,10 +7,23 @@ recurrent state [B, Hv, Dk, Dv]. They return (output [B, T, Hv, Dv], final state
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+
+def supported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a small fused Triton kernel (conv_triton, rope_triton, swiglu_triton) leaves the torch form in place
+    here, or None: they run on CUDA in 16-bit; float32 and the CPU keep the exact reference path."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton not installed"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{str(dtype).removeprefix('torch.')}: the exact reference path"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "not CUDA"
+    return None
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from .kernels import relative_error
+from .kernels import relative_error, supported
 from .splitk import pdl
 
 try:
@@ -79,17 +79,6 @@ if triton is not None:
         dt = out_ptr.dtype.element_ty
         y = ((x.to(tl.float32) * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
         tl.store(out_ptr + row * D + d, tl.where(rot, y, x), mask=d < D)
-
-
-def supported(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the torch form stays here, or None."""
-    if triton is None:
-        return "triton not installed"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"{str(dtype).removeprefix('torch.')}: the exact reference path"
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return "not CUDA"
-    return None
 
 
 def table(rotary, pos, T: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

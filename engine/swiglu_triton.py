@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .kernels import relative_error
+from .kernels import relative_error, supported
 from .splitk import pdl
 
 try:
@@ -42,17 +42,6 @@ if triton is not None:
         dt = out_ptr.dtype.element_ty
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(out_ptr + row * I + cols, (act * u).to(dt), mask=m)
-
-
-def supported(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why the torch form stays here, or None."""
-    if triton is None:
-        return "triton not installed"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"{str(dtype).removeprefix('torch.')}: the exact reference path"
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return "not CUDA"
-    return None
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,7 @@ import torch
 from engine import conv_triton, gdn
 from engine.gdn import heads, kernel_inputs
 from engine.kernels import split_qkv
-from test_exactness import PROMPTS, assert_mtp_drafts_accepted_and_rejected, decode
-from fixtures import greedy_reference
+from test_exactness import PROMPTS, assert_exact_with_kernel, decode
 
 
 @pytest.fixture(scope="module")
@@ -121,21 +120,12 @@ def test_the_engine_decodes_exactly_with_the_kernel(name, ckpt, device, monkeypa
     """Loaded with the kernel allowed (on the CPU the interpreter runs it, in float32): the diagnostics name it,
     greedy decoding equals transformers (CPU) and speculation at depths 1-4 equals plain decoding, with drafts
     accepted and rejected, through the CUDA graphs and cycle graphs (graphs.Rerun on the CPU)."""
-    import transformers as tf
     from engine import load_engine
 
     monkeypatch.setattr(conv_triton, "supported", lambda device, dtype: None)
     engine = load_engine(str(ckpt(name)), device=str(device), dtype="float32", cuda_graphs=True)
     assert engine.trunk.backends.short_conv == "triton", engine.trunk.backends.choice["conv1d"]
-    prompt = engine.encode_chat(PROMPTS[0])
-    plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=40)
-    if device.type == "cpu":
-        hf = tf.AutoModelForCausalLM.from_pretrained(str(ckpt(name)), dtype=torch.float32).eval()
-        assert plain == greedy_reference(hf, prompt, 40)
-    for depth in (1, 2, 3, 4):
-        spec, sources, fin = decode(engine, prompt, depth=depth, max_new_tokens=40)
-        assert spec == plain, depth
-        assert_mtp_drafts_accepted_and_rejected(fin)
+    assert_exact_with_kernel(engine, ckpt(name), device)
 
 
 def test_a_hybrid_draft_models_chained_passes_are_exact_with_the_kernel(tmp_path, device, monkeypatch):

@@ -35,6 +35,23 @@ def assert_mtp_drafts_accepted_and_rejected(fin):
     assert stats["drafted"] - stats["accepted"] > 0, f"no MTP draft rejected: {stats}"
 
 
+def assert_exact_with_kernel(engine, path, device, before_speculation=lambda: None):
+    """An engine loaded with a kernel allowed (float32; on the CPU Triton's interpreter runs it): greedy decoding
+    equals transformers on the checkpoint at `path` (CPU), and speculation at depths 1-4 equals plain decoding with
+    drafts accepted and rejected. before_speculation runs after plain decoding (the caller's checks that the
+    kernel ran)."""
+    prompt = engine.encode_chat(PROMPTS[0])
+    plain, _, _ = decode(engine, prompt, depth=0, max_new_tokens=40)
+    before_speculation()
+    if device.type == "cpu":
+        hf = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        assert plain == greedy_reference(hf, prompt, 40)
+    for depth in (1, 2, 3, 4):
+        spec, _, fin = decode(engine, prompt, depth=depth, max_new_tokens=40)
+        assert spec == plain, depth
+        assert_mtp_drafts_accepted_and_rejected(fin)
+
+
 @pytest.fixture(scope="module")
 def hf_models(ckpt):
     cache = {}
