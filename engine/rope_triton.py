@@ -8,8 +8,10 @@ default, so each is a graph node of ~2 us: on the demo model a plain step had 21
 depth-3 cycle ~70 of its ~300 (packaging/bench/launch_census.py), the head's passes rope's own each time.
 
 Both kernels do the torch form's arithmetic in its order, rounding where it rounds: float32 angles
-(position.float() * inv_freq), sin and cos (tl.sin / tl.cos: libdevice's __nv_sinf / __nv_cosf, CUDA's sinf / cosf, which torch's kernels call), times the
-scaling, cast to the activations' dtype; then x * cos and roll(x) * sin each rounded to that dtype, and their sum.
+(position.float() * inv_freq), sin and cos (tl.sin / tl.cos lower to libdevice's __nv_sinf / __nv_cosf: CUDA's
+sinf / cosf, which torch's kernels call), times the scaling, cast to the activations' dtype; then x * cos and
+roll(x) * sin each rounded to that dtype (no FMA), and their sum. On an H100 both equal the torch form bit for bit
+(tests/test_rope_triton.py).
 The self-check at load compares them with the torch form (install). Under torch.compile the torch form runs
 (inductor fuses it with its neighbours).
 """

@@ -1,10 +1,11 @@
 """Kernel launches per plain step and per depth-3 cycle on the demo model, counted on the CPU: every aten op that
 computes (views and allocations excluded) plus one per Triton kernel call, which Triton's interpreter runs here.
-The RMSNorm kernels are on in both arms (as on a GPU); `off` keeps the short conv, the residual adds and the rotary
-embedding as torch ops (MTPCHAT_SHORT_CONV=torch, MTPCHAT_ADD_NORM=0, MTPCHAT_ROPE=torch), `on` runs them as
-conv_triton's, norm_triton.add_then_norm's and rope_triton's kernels. Per cycle: the difference between a 16- and a 48-token reply, over their cycles' difference (the prompt's
-prefill cancels). Eager steps in bf16: the GPU's graphs hold fewer kernels a step (no host-side ops), the same
-differences between the arms. The GDN recurrence counts as one launch (kernels.run_gdn: FLA's fused recurrent
+The RMSNorm kernels are on in both arms (as on a GPU); `off` keeps the short conv, the residual adds, the rotary
+embedding and SwiGLU's activation as torch ops (MTPCHAT_SHORT_CONV=torch, MTPCHAT_ADD_NORM=0, MTPCHAT_ROPE=torch,
+MTPCHAT_SWIGLU=torch), `on` runs them as conv_triton's, norm_triton.add_then_norm's, rope_triton's and
+swiglu_triton's kernels. Per cycle: the difference between a 16- and a 48-token reply, over their cycles'
+difference (the prompt's prefill cancels). Eager steps in bf16: the GPU's graphs hold fewer kernels a step (no
+host-side ops), the same differences between the arms. The GDN recurrence counts as one launch (kernels.run_gdn: FLA's fused recurrent
 kernel on a GPU; here the torch reference, dozens of ops), so the counts approach a GPU's; the ops that launch
 most per cycle follow each count.
 
@@ -17,12 +18,13 @@ from collections import Counter
 
 os.environ["TRITON_INTERPRET"] = "1"
 if sys.argv[1:] == ["off"]:
-    os.environ["MTPCHAT_SHORT_CONV"], os.environ["MTPCHAT_ADD_NORM"], os.environ["MTPCHAT_ROPE"] = "torch", "0", "torch"
+    os.environ.update(MTPCHAT_SHORT_CONV="torch", MTPCHAT_ADD_NORM="0", MTPCHAT_ROPE="torch", MTPCHAT_SWIGLU="torch")
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from engine import GenerationSettings, conv_triton, gdn, kernels, load_engine, norm_triton, rope_triton  # noqa: E402
+from engine import (GenerationSettings, conv_triton, gdn, kernels, load_engine, norm_triton, rope_triton,  # noqa: E402
+                    swiglu_triton)
 from engine.events import Cycle  # noqa: E402
 
 NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "transpose", "t", "unsqueeze", "squeeze", "expand", "permute",
@@ -64,17 +66,19 @@ def one_launch(kernel, name: str):
 conv_triton.supported = lambda device, dtype: None  # (the interpreter runs them on the CPU)
 norm_triton._why_not = lambda device, dtype: None
 rope_triton.supported = lambda device, dtype: None
+swiglu_triton.supported = lambda device, dtype: None
 gdn.conv_gates = one_launch(conv_triton.conv_gates, "conv_gates")
 kernels.run_gdn = one_launch(kernels.run_gdn, "gdn_recurrent")
 for name in ("launch_add", "rms_norm", "gated_rms_norm"):
     setattr(norm_triton, name, one_launch(getattr(norm_triton, name), name))
 for name in ("table", "rotate"):
     setattr(rope_triton, name, one_launch(getattr(rope_triton, name), f"rope_{name}"))
+swiglu_triton.swiglu = one_launch(swiglu_triton.swiglu, "swiglu")
 
 engine = load_engine("engine/assets/demo", device="cpu", dtype="bfloat16")
 print("conv1d:", engine.trunk.backends.choice["conv1d"][1])
 print("rmsnorm:", engine.trunk.backends.choice["rmsnorm"][1], "| MTPCHAT_ADD_NORM:", os.environ.get("MTPCHAT_ADD_NORM"))
-print("rope:", engine.trunk.backends.choice["rope"][1])
+print("rope:", engine.trunk.backends.choice["rope"][1], "| swiglu:", engine.trunk.backends.choice["swiglu"][1])
 prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
 for depth in (0, 3):
     list(engine.generate(prompt, GenerationSettings(max_new_tokens=8, depth=depth, ignore_eos=True)))  # (warm-up)
