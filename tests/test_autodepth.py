@@ -264,6 +264,25 @@ def test_a_position_never_judged_is_drafted_after_a_fully_accepted_cycle():
     assert picks[0] == 1 and picks.index(4) <= 3 and set(picks[picks.index(4) :]) == {4}, picks
 
 
+def test_a_probe_from_plain_decoding_climbs_on_from_its_own_depth():
+    """The demo model on an H100 (a plain step 0.30 ms, a depth-1 cycle 0.62): the prior picks plain decoding,
+    and so do the estimates while position 1 alone is known (1.75 tokens for 0.62 ms at 0.75 is slower than
+    plain, and positions 2-4 sit at the prior). A fully accepted probe goes on one position deeper than its own
+    depth, not than the pick's. Before, every probe from plain decoding drafted one token, positions 2-4 were never
+    judged, and auto decoded plainly through replies that depth 3 ran 1.07x faster (245 of 252 cycles); here,
+    position 1 accepted 3 times in 4 and every later one (depth 4: 1.3x plain), it stayed plain for 100 cycles."""
+    gpu = {0: 0.30, 1: 0.62, 2: 0.72, 3: 0.82, 4: 0.92}
+    c = DepthChooser(4, mean_first=True, cost=dict(gpu))
+    picks, drafted = [], 0
+    for _ in range(100):
+        depth = c.pick()
+        picks.append(depth)
+        drafted += depth > 0
+        c.observe(depth, [drafted % 4 != 2] + [True] * (depth - 1) if depth else [], gpu[depth])
+    assert picks[:3] == [1, 2, 0] and set(picks[-40:]) == {4}, picks
+
+
+
 def test_a_reply_starts_from_the_costs_the_last_one_measured(ckpt):
     from engine import load_engine
 
