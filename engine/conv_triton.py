@@ -18,11 +18,10 @@ decoding does. Prefill keeps the torch form (F.conv1d over long prompts), as bef
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from .kernels import relative_error, split_qkv, supported
+from .kernels import relative_error, self_checked, split_qkv, supported
 from .splitk import pdl
 
 try:
@@ -34,7 +33,6 @@ except ImportError:  # CPU-only installs: the module still imports
 MAX_WIDTH = 8  # decode and verify widths (limits.MAX_DEPTH + 1 and the graphs' padding); wider passes: torch
 BLOCK_C = 256  # channels a program (32 threads x 8 values)
 BLOCK_G = 128  # gate values a step of the first program's loop
-SELF_CHECK_TOL = 2e-2
 
 if triton is not None:
     from .splitk import after_previous
@@ -159,18 +157,11 @@ def install(backends, layers, device: torch.device, dtype: torch.dtype) -> None:
     mixers = [m for m in (getattr(layer, "linear_attn", None) for layer in layers) if m is not None]
     if not mixers or supported(torch.device(device), dtype) is not None:
         return
-    if os.environ.get("MTPCHAT_SHORT_CONV") == "torch":
-        backends.choice["conv1d"] = ("torch", "short conv and gates as torch ops (MTPCHAT_SHORT_CONV=torch)")
-        return
     shapes = {(tuple(m.conv1d.weight.shape), m.num_v_heads, m.conv1d.bias is not None): m for m in mixers}
-    try:
-        with torch.no_grad():
-            worst = max(_self_check(m, device, dtype) for m in shapes.values())
-    except Exception as e:  # a Triton / driver failure: the torch form stays
-        backends.choice["conv1d"] = ("torch", f"Triton short conv failed: {type(e).__name__}: {str(e)[:120]}")
-        return
-    if not worst < SELF_CHECK_TOL:  # (NaN too)
-        backends.choice["conv1d"] = ("torch", f"Triton short conv self-check failed: error {worst:.1e}")
+    why, worst = self_checked(None, "short conv", "MTPCHAT_SHORT_CONV",
+                              lambda: max(_self_check(m, device, dtype) for m in shapes.values()))
+    if why is not None:
+        backends.choice["conv1d"] = ("torch", f"short conv and gates as torch ops ({why})")
         return
     backends.short_conv = "triton"
     backends.choice["conv1d"] = ("triton", "short conv, silu and the gates in one Triton kernel at decode and verify "

@@ -8,10 +8,17 @@ recurrent state [B, Hv, Dk, Dv]. They return (output [B, T, Hv, Dv], final state
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+
+# the small kernels' (conv_triton, rope_triton, swiglu_triton) self-checks: worst relative error against the torch
+# form, as norm_triton's (on a GPU the rope kernels agree bit for bit; Triton's interpreter truncates to bf16 where a
+# GPU rounds: ~1e-2 there)
+SMALL_KERNEL_TOL = 2e-2
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -24,6 +31,24 @@ def supported(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return "not CUDA"
     return None
+
+
+def self_checked(why: str | None, label: str, env: str, check) -> tuple[str | None, float]:
+    """A small kernel's verdict at load: why the torch form stays (None: the kernel runs) and check()'s worst
+    relative error against it. why: the module's supported(); then the opt-out (env=torch), a Triton / driver
+    failure in check(), or an error at SMALL_KERNEL_TOL or above (NaN too)."""
+    if why is None and os.environ.get(env) == "torch":
+        why = f"{env}=torch"
+    worst = float("nan")
+    if why is None:
+        try:
+            with torch.no_grad():
+                worst = check()
+            if not worst < SMALL_KERNEL_TOL:
+                why = f"Triton {label} self-check failed: error {worst:.1e}"
+        except Exception as e:
+            why = f"Triton {label} failed: {type(e).__name__}: {str(e)[:120]}"
+    return why, worst
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:

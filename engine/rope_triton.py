@@ -18,11 +18,10 @@ The self-check at load compares them with the torch form (install). Under torch.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from .kernels import relative_error, supported
+from .kernels import relative_error, self_checked, supported
 from .splitk import pdl
 
 try:
@@ -31,8 +30,6 @@ try:
 except ImportError:  # CPU-only installs: the module still imports, install() says why not
     triton = None
 
-SELF_CHECK_TOL = 2e-2  # worst relative error against the torch form (as norm_triton; on a GPU the forms agree bit
-# for bit where sin / cos do; Triton's interpreter truncates to bf16 where a GPU rounds: ~1e-2 there)
 
 
 if triton is not None:
@@ -140,18 +137,9 @@ def _self_check(rotary, heads: tuple[int, int], head_dim: int, device, dtype) ->
 def install(backends, rotary, config, device, dtype) -> None:
     """backends.rope = "triton" where the kernels may run and pass their self-check on this model's heads; the
     reason in backends.choice["rope"] either way."""
-    why = supported(torch.device(device), dtype)
-    if why is None and os.environ.get("MTPCHAT_ROPE") == "torch":
-        why = "MTPCHAT_ROPE=torch"
-    if why is None:
-        try:
-            heads = (config.num_attention_heads, config.num_key_value_heads)
-            with torch.no_grad():
-                worst = _self_check(rotary, heads, config.head_dim, device, dtype)
-            if not worst < SELF_CHECK_TOL:  # (NaN too)
-                why = f"Triton rope self-check failed: error {worst:.1e}"
-        except Exception as e:  # a Triton / driver failure: the torch form stays
-            why = f"Triton rope failed: {type(e).__name__}: {str(e)[:120]}"
+    heads = (config.num_attention_heads, config.num_key_value_heads)
+    why, worst = self_checked(supported(torch.device(device), dtype), "rope", "MTPCHAT_ROPE",
+                              lambda: _self_check(rotary, heads, config.head_dim, device, dtype))
     if why is None:
         backends.rope = "triton"
         backends.choice["rope"] = ("triton", "cos / sin table in one Triton kernel a pass, queries and keys rotated "

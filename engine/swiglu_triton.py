@@ -10,11 +10,10 @@ verify passes both take the kernel. Under torch.compile the torch form runs (ind
 
 from __future__ import annotations
 
-import os
 
 import torch
 
-from .kernels import relative_error, supported
+from .kernels import relative_error, self_checked, supported
 from .splitk import pdl
 
 try:
@@ -24,7 +23,6 @@ except ImportError:  # CPU-only installs: the module still imports, install() sa
     triton = None
 
 BLOCK = 1024  # columns a program: the 27B shape's 17,408 in 17 programs a row
-SELF_CHECK_TOL = 2e-2  # worst relative error against the torch form (as norm_triton)
 
 
 if triton is not None:
@@ -92,17 +90,8 @@ def install(backends, modules, device, dtype) -> None:
     mlps = [m for m in modules if is_swiglu_mlp(m)]
     if not mlps:
         return
-    why = supported(torch.device(device), dtype)
-    if why is None and os.environ.get("MTPCHAT_SWIGLU") == "torch":
-        why = "MTPCHAT_SWIGLU=torch"
-    if why is None:
-        try:
-            with torch.no_grad():
-                worst = max(_self_check(w, device, dtype) for w in {_width(m) for m in mlps})
-            if not worst < SELF_CHECK_TOL:  # (NaN too)
-                why = f"Triton SwiGLU self-check failed: error {worst:.1e}"
-        except Exception as e:  # a Triton / driver failure: the torch form stays
-            why = f"Triton SwiGLU failed: {type(e).__name__}: {str(e)[:120]}"
+    why, worst = self_checked(supported(torch.device(device), dtype), "SwiGLU", "MTPCHAT_SWIGLU",
+                              lambda: max(_self_check(w, device, dtype) for w in {_width(m) for m in mlps}))
     for m in mlps:
         m.swiglu = why is None
     if backends is not None:
