@@ -564,6 +564,14 @@ swiglu62)  # stop 62 (about 5 minutes): swiglu_triton's GPU tests; the demo mode
   [ $SECONDS -lt 270 ] && timeout 45 python3 packaging/bench/probe_acceptance.py --device cuda --dtype bfloat16 --every 1,17 \
         --graphs 1 --tokens 200 --json "$OUT/probe_acceptance_demo.json" 2>&1 | grep -E "^graphs|rror"
   ;;
+stop63)  # stop 63 (about 7 minutes): the demo model's plain, depth 3-4 and auto rows with auto's climb going on from
+  # a probe's depth; swiglu_triton's GPU tests; where a depth-3 cycle's kernel time goes (profile_cycle.py)
+  BENCH_TIMEOUT=240 bench --model engine/assets/demo --depths 0,3,4,auto --drafter mtp --max-new-tokens 256 --repeat 3 \
+        --no-hf --out "$OUT/bench_demo_climb63.json" | grep -E "auto|mtp|none|rror"
+  gpu_tests ${TEST_LIMIT:-150} "$OUT/gpu_tests_swiglu63.log" tests/test_swiglu_triton.py
+  [ $SECONDS -lt 380 ] && timeout 60 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
+        --json "$OUT/cycle_demo_63.json" 2>&1 | grep -E "^depth|rror"
+  ;;
 fp8x62)  # stop 62 (needs an H200: 80 GB of FP8 weights): #23's whole 80B-A3B in FP8, compiled, as its record
   # (299.4 tok/s); then, as time allows, #28's 27B shape in bf16, compiled, plain and depth 3
   BENCH_TIMEOUT=400 bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 --drafter oracle \
