@@ -568,7 +568,8 @@ stop63)  # stop 63 (about 7 minutes): the demo model's plain, depth 3-4 and auto
   # a probe's depth; swiglu_triton's GPU tests; where a depth-3 cycle's kernel time goes (profile_cycle.py)
   BENCH_TIMEOUT=240 bench --model engine/assets/demo --depths 0,3,4,auto --drafter mtp --max-new-tokens 256 --repeat 3 \
         --no-hf --out "$OUT/bench_demo_climb63.json" | grep -E "auto|mtp|none|rror"
-  gpu_tests ${TEST_LIMIT:-150} "$OUT/gpu_tests_swiglu63.log" tests/test_swiglu_triton.py
+  gpu_tests ${TEST_LIMIT:-150} "$OUT/gpu_tests_swiglu63.log" tests/test_swiglu_triton.py tests/test_rope_triton.py \
+        tests/test_conv_triton.py -k "swiglu or install"
   [ $SECONDS -lt 380 ] && timeout 60 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
         --json "$OUT/cycle_demo_63.json" 2>&1 | grep -E "^depth|rror"
   ;;
