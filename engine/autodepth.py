@@ -165,7 +165,22 @@ class DepthChooser:
         costs = self.costs()
         by_depth = rates(self.acceptance, costs)
         self.why = "expected tok/s by depth " + ", ".join(f"{j}: {r * 1e3:.0f}" for j, r in enumerate(by_depth))
-        return self.probe(best_depth(by_depth), costs)
+        return self.probe(self.worth_falling(best_depth(by_depth), by_depth), costs)
+
+    def worth_falling(self, k: int, by_depth: list[float]) -> int:
+        """k, or the best drafting depth where k = 0 comes from drafting but saves less over the PROBE_EVERY plain
+        cycles before the next probe than the switch costs when drafting resumes (switch_ms). On estimates a few
+        cycles deep a fall is often noise, and plain decoding judges nothing: the demo model on an H100 (a 0.30 ms
+        plain step, 0.33 of switch) fell on a dip and stayed plain for ~60 cycles (auto_sim --costs h100-demo-62
+        --switch-ms 0.33 --known-costs: profile demo-gpu-62 0.903 -> 0.917 of depth 4, the realistic 0.941 ->
+        0.957; the 27B's and the CPU's within 0.005)."""
+        if k > 0 or not self.last_depth or not self.switch_ms:
+            return k
+        j = best_depth([0.0] + by_depth[1:])
+        if PROBE_EVERY * (1 / by_depth[j] - 1 / by_depth[0]) >= self.switch_ms:
+            return k
+        self.why += f"; depth {j} kept: plain decoding would save less than the switch back costs"
+        return j
 
     def floors(self, k: int) -> list[float]:
         """stop_floors for this cycle's depth k from the running estimates, added to why (its chain stops early

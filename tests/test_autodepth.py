@@ -264,6 +264,23 @@ def test_a_position_never_judged_is_drafted_after_a_fully_accepted_cycle():
     assert picks[0] == 1 and picks.index(4) <= 3 and set(picks[picks.index(4) :]) == {4}, picks
 
 
+def test_a_fall_to_plain_decoding_must_save_more_than_the_switch_back_costs():
+    """Plain decoding judges nothing, so a fall on a dip of the estimates lasts until the next probe, and coming
+    back costs the switch (the head's catch-up: 0.33 ms on the demo model's H100 against a 0.30 ms plain step). A
+    fall that saves less than that over the PROBE_EVERY plain cycles before the next probe keeps drafting; a fall
+    that saves more, or one where no switch has been measured, is taken."""
+    gpu = {0: 0.30, 1: 0.62, 2: 0.72, 3: 0.82, 4: 0.92}
+    c = DepthChooser(4, cost=dict(gpu), switch_ms=0.33)
+    c.acceptance, c.judged, c.last_depth, c.all_accepted = [0.62, 0.85, 0.85, 0.85], [20] * 4, 4, False
+    by_depth = rates(c.acceptance, c.costs())
+    assert best_depth(by_depth) == 0 and PROBE_EVERY * (1 / by_depth[4] - 1 / by_depth[0]) < 0.33  # (a dip)
+    assert c.pick() == 4 and "kept" in c.why, c.why
+    c.switch_ms = None
+    assert c.pick() == 0
+    c.switch_ms, c.acceptance = 0.33, [0.4] * 4  # (hard text: plain saves far more than the switch)
+    assert c.pick() == 0
+
+
 def test_a_probe_from_plain_decoding_climbs_on_from_its_own_depth():
     """The demo model on an H100 (a plain step 0.30 ms, a depth-1 cycle 0.62): the prior picks plain decoding,
     and so do the estimates while position 1 alone is known (1.75 tokens for 0.62 ms at 0.75 is slower than
