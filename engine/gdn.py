@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .cache import GDNState, new_serial
 from .conv_triton import MAX_WIDTH, conv_gates
-from .fusion import linears
+from .fusion import linears, whole
 from .kernels import split_qkv, store_conv_state
 
 
@@ -50,11 +50,16 @@ class VerifyStash:
 
 def project(mixer, x: torch.Tensor):
     """Input projections in either checkpoint layout -> conv input [1, C, T], z [1, T, Hv, Dv], b, a [1, T, Hv]."""
-    if hasattr(mixer, "in_proj_qkvz"):  # (one gather each into [q | k | v | z] and [b | a]: keep_constants)
-        qkvz, ba = linears(mixer, ("in_proj_qkvz", "in_proj_ba"), x)
-        nv, dv = mixer.num_v_heads, mixer.head_v_dim
-        mixed, z = qkvz.index_select(-1, mixer.qkvz_order).split([qkvz.shape[-1] - nv * dv, nv * dv], -1)
-        b, a = ba.index_select(-1, mixer.ba_order).split([nv, nv], -1)
+    if hasattr(mixer, "in_proj_qkvz"):  # (gathers into [q | k | v | z] and [b | a]: keep_constants)
+        names, nv, dv = ("in_proj_qkvz", "in_proj_ba"), mixer.num_v_heads, mixer.head_v_dim
+        parts = [mixer.qkvz_order.shape[0] - nv * dv, nv * dv, nv, nv]
+        both = whole(mixer, names, x)
+        if both is not None:  # one matmul: one gather over both outputs
+            mixed, z, b, a = both.index_select(-1, mixer.qkvzba_order).split(parts, -1)
+        else:
+            qkvz, ba = linears(mixer, names, x)
+            mixed, z = qkvz.index_select(-1, mixer.qkvz_order).split(parts[:2], -1)
+            b, a = ba.index_select(-1, mixer.ba_order).split(parts[2:], -1)
         z = z.view(x.shape[0], x.shape[1], nv, dv)
     else:
         mixed, z, b, a = linears(mixer, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), x)
@@ -81,7 +86,9 @@ def keep_constants(layers) -> None:
     - Qwen3-Next's projection order: in_proj_qkvz and in_proj_ba interleave [q | k | v | z] and [b | a] per key-head
       group, which transformers' fix_query_key_value_ordering and the concatenation of q, k, v undo with seven
       copies a layer each pass (six strided, one cat); one gather each at these column indices gives the same
-      values (project)."""
+      values (project), and one over both where they are one matmul (fusion): each gather was a launch of 2-6 us
+      at the demo model's widths on an H100, 17% of its plain step's kernel time for the two
+      (packaging/bench/cycle_demo_63_h100.json)."""
     for layer in layers:
         mixer = getattr(layer, "linear_attn", None)
         if mixer is None:
@@ -94,6 +101,7 @@ def keep_constants(layers) -> None:
             qkvz, ba = _group_columns(nk, [dk, dk, r * dv, r * dv]), _group_columns(nk, [r, r])
             mixer.register_buffer("qkvz_order", qkvz.to(device), persistent=False)
             mixer.register_buffer("ba_order", ba.to(device), persistent=False)
+            mixer.register_buffer("qkvzba_order", torch.cat([qkvz, ba + qkvz.shape[0]]).to(device), persistent=False)
 
 
 def _group_columns(groups: int, parts: list[int]) -> torch.Tensor:
