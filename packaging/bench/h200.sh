@@ -573,6 +573,14 @@ stop63)  # stop 63 (about 7 minutes): the demo model's plain, depth 3-4 and auto
   [ $SECONDS -lt 380 ] && timeout 60 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
         --json "$OUT/cycle_demo_63.json" 2>&1 | grep -E "^depth|rror"
   ;;
+stop63b)  # stop 63 (about 5 minutes): the demo model after the one gather over Qwen3-Next's GDN projections (its plain,
+  # depth-3 and auto rows, the cycle profile), then its graph tests (the four families, float32)
+  BENCH_TIMEOUT=200 bench --model engine/assets/demo --depths 0,3,auto --drafter mtp --max-new-tokens 256 --repeat 3 \
+        --no-hf --out "$OUT/bench_demo_gather63.json" | grep -E "auto|mtp|none|rror"
+  timeout 60 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
+        --json "$OUT/cycle_demo_gather63.json" 2>&1 | grep -E "^depth|rror"
+  gpu_tests $((330 - SECONDS)) "$OUT/gpu_tests_gather63.log" tests/test_gpu.py -k cuda_graphs_certified
+  ;;
 fp8x62)  # stop 62 (needs an H200: 80 GB of FP8 weights): #23's whole 80B-A3B in FP8, compiled, as its record
   # (299.4 tok/s); then, as time allows, #28's 27B shape in bf16, compiled, plain and depth 3
   BENCH_TIMEOUT=400 bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 --drafter oracle \
