@@ -79,6 +79,10 @@
 #   bash packaging/bench/h200.sh rope62b   # stop 62: the 27B shape (uncompiled: the chat's default) with and without them
 #   bash packaging/bench/h200.sh swiglu62  # stop 62: the SwiGLU kernel's GPU tests; the demo model with it and without
 #                                         # (MTPCHAT_SWIGLU=torch); the demo's cycle profile; probes' acceptance
+#   bash packaging/bench/h200.sh stop63    # stop 63: the demo's auto rows with the climb from a probe's depth, SwiGLU's
+#                                         # GPU tests with rope's and conv's install tests, the cycle profile per kernel
+#   bash packaging/bench/h200.sh stop63b   # stop 63: the demo after the one gather over Qwen3-Next's GDN projections
+#                                         # (plain, depth 3, auto, the cycle profile), then the graph tests
 #   bash packaging/bench/h200.sh fp8x62    # stop 62 (H200 only): the whole 80B-A3B in FP8 --compile (the rope table now
 #                                         # one launch a pass outside the compiled blocks), then the 27B shape bf16 --compile
 #   bash packaging/bench/h200.sh kvfp8    # --kv-cache-dtype fp8: its GPU tests, the 27B shape's Int4 32k peak with
