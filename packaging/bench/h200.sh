@@ -577,7 +577,7 @@ stop63)  # stop 63 (about 7 minutes): the demo model's plain, depth 3-4 and auto
   [ $SECONDS -lt 380 ] && timeout 60 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
         --json "$OUT/cycle_demo_63.json" 2>&1 | grep -E "^depth|rror"
   ;;
-stop63b)  # stop 63 (about 5 minutes): the demo model after the one gather over Qwen3-Next's GDN projections (its plain,
+stop63b)  # stop 63 (about 3 minutes): the demo model after the one gather over Qwen3-Next's GDN projections (its plain,
   # depth-3 and auto rows, the cycle profile), then its graph tests (the four families, float32)
   BENCH_TIMEOUT=120 bench --model engine/assets/demo --depths 0,3,auto --drafter mtp --max-new-tokens 256 --repeat 2 \
         --no-hf --out "$OUT/bench_demo_gather63.json" | grep -E "auto|mtp|none|rror"
