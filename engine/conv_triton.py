@@ -18,7 +18,6 @@ decoding does. Prefill keeps the torch form (F.conv1d over long prompts), as bef
 
 from __future__ import annotations
 
-
 import torch
 
 from .kernels import relative_error, self_checked, split_qkv, supported

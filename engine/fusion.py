@@ -110,24 +110,21 @@ def linears(module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tenso
 
 
 def _fused_outputs(module, run: tuple[str, ...], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    if run == getattr(module, "int4_fused_names", None):  # 4-bit parts, concatenated by int4.fuse
-        return module.int4_fused(x).split(module.int4_fused_sizes, dim=-1)
-    return _fused_matmul(module, x).split(module.fused_sizes, dim=-1)
-
-
-def _fused_matmul(module, x: torch.Tensor) -> torch.Tensor:
-    w = module.fused_weight
-    # (plain_kernel: linear16_triton.matmul, where install timed a kernel faster than cuBLAS for this shape)
-    return fp8.matmul(x, w, module.fused_scale_inv, getattr(module, "fp8_kernel", None)) if fp8.is_fp8(w) \
-        else getattr(module, "plain_kernel", F.linear)(x, w)
+    int4 = run == getattr(module, "int4_fused_names", None)
+    return whole(module, run, x).split(module.int4_fused_sizes if int4 else module.fused_sizes, dim=-1)
 
 
 def whole(module, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor | None:
     """The outputs of module's Linear layers `names` on x as one tensor [..., their N summed], where they are one
     fused run (one matmul, no split); None otherwise."""
-    if names == getattr(module, "int4_fused_names", None):
+    if names == getattr(module, "int4_fused_names", None):  # 4-bit parts, concatenated by int4.fuse
         return module.int4_fused(x)
-    return _fused_matmul(module, x) if names == getattr(module, "fused_names", None) else None
+    if names != getattr(module, "fused_names", None):
+        return None
+    w = module.fused_weight
+    # (plain_kernel: linear16_triton.matmul, where install timed a kernel faster than cuBLAS for this shape)
+    return fp8.matmul(x, w, module.fused_scale_inv, getattr(module, "fp8_kernel", None)) if fp8.is_fp8(w) \
+        else getattr(module, "plain_kernel", F.linear)(x, w)
 
 
 def dense_mlp(mlp, x: torch.Tensor) -> torch.Tensor:

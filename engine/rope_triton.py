@@ -18,7 +18,6 @@ The self-check at load compares them with the torch form (install). Under torch.
 
 from __future__ import annotations
 
-
 import torch
 
 from .kernels import relative_error, self_checked, supported

@@ -10,7 +10,6 @@ verify passes both take the kernel. Under torch.compile the torch form runs (ind
 
 from __future__ import annotations
 
-
 import torch
 
 from .kernels import relative_error, self_checked, supported

@@ -299,7 +299,6 @@ def test_a_probe_from_plain_decoding_climbs_on_from_its_own_depth():
     assert picks[:3] == [1, 2, 0] and set(picks[-40:]) == {4}, picks
 
 
-
 def test_a_reply_starts_from_the_costs_the_last_one_measured(ckpt):
     from engine import load_engine
 
