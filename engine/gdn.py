@@ -11,14 +11,17 @@ rows, so the result is independent of the rejected tail, bit for bit.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
 import torch.nn.functional as F
 
 from .cache import GDNState, new_serial
+from . import fp8
 from .conv_triton import MAX_WIDTH, conv_gates
 from .fusion import linears, whole
+from .int4 import Int4Linear
 from .kernels import split_qkv, store_conv_state
 
 
@@ -50,16 +53,18 @@ class VerifyStash:
 
 def project(mixer, x: torch.Tensor):
     """Input projections in either checkpoint layout -> conv input [1, C, T], z [1, T, Hv, Dv], b, a [1, T, Hv]."""
-    if hasattr(mixer, "in_proj_qkvz"):  # (gathers into [q | k | v | z] and [b | a]: keep_constants)
-        names, nv, dv = ("in_proj_qkvz", "in_proj_ba"), mixer.num_v_heads, mixer.head_v_dim
-        parts = [mixer.qkvz_order.shape[0] - nv * dv, nv * dv, nv, nv]
+    if hasattr(mixer, "in_proj_qkvz"):  # (outputs in [q | k | v | z] and [b | a] order: keep_constants)
+        names, (nk, dk, nv, dv) = ("in_proj_qkvz", "in_proj_ba"), heads(mixer)
+        parts = [2 * nk * dk + nv * dv, nv * dv, nv, nv]
+        order = getattr(mixer, "qkvzba_order", None)  # None: the weights' rows are in that order already
         both = whole(mixer, names, x)
-        if both is not None:  # one matmul: one gather over both outputs
-            mixed, z, b, a = both.index_select(-1, mixer.qkvzba_order).split(parts, -1)
+        if both is not None:  # one matmul
+            mixed, z, b, a = (both if order is None else both.index_select(-1, order)).split(parts, -1)
         else:
             qkvz, ba = linears(mixer, names, x)
-            mixed, z = qkvz.index_select(-1, mixer.qkvz_order).split(parts[:2], -1)
-            b, a = ba.index_select(-1, mixer.ba_order).split(parts[2:], -1)
+            if order is not None:
+                qkvz, ba = qkvz.index_select(-1, mixer.qkvz_order), ba.index_select(-1, mixer.ba_order)
+            (mixed, z), (b, a) = qkvz.split(parts[:2], -1), ba.split(parts[2:], -1)
         z = z.view(x.shape[0], x.shape[1], nv, dv)
     else:
         mixed, z, b, a = linears(mixer, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), x)
@@ -79,15 +84,19 @@ def heads(mixer) -> list[int]:
 
 
 def keep_constants(layers) -> None:
-    """What each GDN mixer's steps would otherwise compute anew, kept once at load (buffers, not in the state dict):
+    """What each GDN mixer's steps would otherwise compute anew, kept once at load (before fusion.fuse_all):
     - the decay rate -exp(A_log) and dt_bias in float32: every step computed the first and converted the gate input
       to float32 apart, three launches a layer; the same float32 values as transformers' -A_log.float().exp() *
       softplus(a.float() + dt_bias);
     - Qwen3-Next's projection order: in_proj_qkvz and in_proj_ba interleave [q | k | v | z] and [b | a] per key-head
       group, which transformers' fix_query_key_value_ordering and the concatenation of q, k, v undo with seven
-      copies a layer each pass (six strided, one cat); one gather each at these column indices gives the same
-      values (project), and one over both where they are one matmul (fusion): each gather was a launch of 2-6 us
-      at the demo model's widths on an H100, 17% of its plain step's kernel time for the two
+      copies a layer each pass (six strided, one cat). The weights' output rows are put in [q | k | v | z] and
+      [b | a] order here instead, so a pass copies nothing: each output column is the same dot product as before
+      (equal up to the matmul's tiling, which may differ with the rows' order), and the mixer's
+      fix_query_key_value_ordering only splits (the module's own forward, the bench's transformers baseline,
+      still works). Where a layout cannot move its rows (an FP8 projection whose parts are not whole 128-row
+      scale blocks) the column indices are kept instead and `project` gathers with them: a launch of 2-6 us a
+      projection at the demo model's widths on an H100, 17% of its plain step's kernel time for the two
       (packaging/bench/cycle_demo_63_h100.json)."""
     for layer in layers:
         mixer = getattr(layer, "linear_attn", None)
@@ -98,10 +107,60 @@ def keep_constants(layers) -> None:
         if hasattr(mixer, "in_proj_qkvz"):
             nk, dk, nv, dv = heads(mixer)
             r, device = nv // nk, mixer.A_log.device
-            qkvz, ba = _group_columns(nk, [dk, dk, r * dv, r * dv]), _group_columns(nk, [r, r])
-            mixer.register_buffer("qkvz_order", qkvz.to(device), persistent=False)
-            mixer.register_buffer("ba_order", ba.to(device), persistent=False)
-            mixer.register_buffer("qkvzba_order", torch.cat([qkvz, ba + qkvz.shape[0]]).to(device), persistent=False)
+            qkvz = _group_columns(nk, [dk, dk, r * dv, r * dv]).to(device)
+            ba = _group_columns(nk, [r, r]).to(device)
+            if reorder_rows(mixer.in_proj_qkvz, qkvz, check=True) and reorder_rows(mixer.in_proj_ba, ba, check=True):
+                reorder_rows(mixer.in_proj_qkvz, qkvz)
+                reorder_rows(mixer.in_proj_ba, ba)
+                mixer.fix_query_key_value_ordering = functools.partial(split_in_order, mixer)
+                continue
+            mixer.register_buffer("qkvz_order", qkvz, persistent=False)
+            mixer.register_buffer("ba_order", ba, persistent=False)
+            mixer.register_buffer("qkvzba_order", torch.cat([qkvz, ba + qkvz.shape[0]]), persistent=False)
+
+
+def reorder_rows(linear, order: torch.Tensor, check: bool = False) -> bool:
+    """linear's output features put in `order` (output j becomes the old output order[j]), in place, in its own
+    format: a weight's rows (16-bit, float32), an FP8 weight's rows with its scale rows (only where `order` moves
+    whole 128-row blocks: each block has one scale row), a 4-bit weight's columns with their zeros and scales.
+    check: only whether it can. False for any other layout."""
+    if isinstance(linear, fp8.FP8Linear):
+        blocks = order.view(-1, fp8.BLOCK) if order.shape[0] % fp8.BLOCK == 0 else None
+        whole_blocks = blocks is not None and bool(
+            (blocks[:, 0] % fp8.BLOCK == 0).all() and (blocks == blocks[:, :1] + torch.arange(
+                fp8.BLOCK, device=order.device)).all())
+        if check or not whole_blocks:
+            return whole_blocks
+        _take(linear.weight.data, 0, order)
+        _take(linear.weight_scale_inv, 0, blocks[:, 0] // fp8.BLOCK)
+    elif isinstance(linear, Int4Linear):  # (qweight [K/8, N], zeros [G, N], scales [G, N]: N is the columns)
+        if not check:
+            for t in (linear.qweight, linear.zeros, linear.scales):
+                _take(t, 1, order)
+    elif type(linear) is torch.nn.Linear:
+        if not check:
+            _take(linear.weight.data, 0, order)
+            if linear.bias is not None:
+                _take(linear.bias.data, 0, order)
+    else:
+        return False
+    return True
+
+
+def _take(t: torch.Tensor, dim: int, index: torch.Tensor) -> None:
+    """t <- t.index_select(dim, index), in place (FP8 bytes moved as bytes: index_select has no FP8 kernels)."""
+    raw = t.view(torch.uint8) if t.element_size() == 1 else t
+    raw.copy_(raw.index_select(dim, index))
+
+
+def split_in_order(mixer, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple:
+    """transformers' fix_query_key_value_ordering for outputs keep_constants put in order: (query, key [.., Hk, Dk],
+    value, z [.., Hv, Dv], b, a [.., Hv]), splits only."""
+    nk, dk, nv, dv = heads(mixer)
+    q, k, v, z = qkvz.split([nk * dk, nk * dk, nv * dv, nv * dv], -1)
+    b, a = ba.split([nv, nv], -1)
+    lead = qkvz.shape[:-1]
+    return q.reshape(*lead, nk, dk), k.reshape(*lead, nk, dk), v.reshape(*lead, nv, dv), z.reshape(*lead, nv, dv), b, a
 
 
 def _group_columns(groups: int, parts: list[int]) -> torch.Tensor:

@@ -443,8 +443,8 @@ class Trunk:
         for layer in self.layers:  # dense Qwen3's attention has no output gate in q_proj
             if hasattr(layer, "self_attn"):
                 layer.self_attn.gated = self.family.name != "qwen3"
+        gdn.keep_constants(self.layers)  # (before fusion: it may put projections' rows in another order)
         fuse_all(self.layers)
-        gdn.keep_constants(self.layers)
         conv_triton.install(self.backends, self.layers, self.device, self.dtype)
         rope_triton.install(self.backends, self.rotary, self.config, self.device, self.dtype)
         swiglu_triton.install(self.backends, self.lm.modules(), self.device, self.dtype)

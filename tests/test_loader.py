@@ -281,3 +281,23 @@ def test_run_json_states_fallbacks_with_reasons(ckpt, capsys, monkeypatch):
     if not torch.cuda.is_available():
         assert "CPU" in reasons["cuda"]
     assert "MTPCHAT_DISABLE_FLA" in out["diagnostics"]["backends"]["gdn_recurrent"]["reason"]
+
+
+def test_qwen3_next_projection_rows_are_put_in_order_at_load(ckpt):
+    """Qwen3-Next's interleaved GDN projections get their output rows in [q | k | v | z] and [b | a] order at load
+    (gdn.keep_constants: no gather in a pass), and the modules' own forward (transformers' code: the bench's
+    baseline runs it on the engine's model) still gives transformers' logits."""
+    import transformers as tf
+
+    from engine import stock_forward
+
+    path = ckpt("next")
+    loaded = load(path)
+    mixers = [layer.linear_attn for layer in loaded.trunk.layers if hasattr(layer, "linear_attn")]
+    assert mixers and not any(hasattr(m, "qkvz_order") for m in mixers)
+    hf = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    assert not torch.equal(hf.model.layers[0].linear_attn.in_proj_qkvz.weight, mixers[0].in_proj_qkvz.weight)
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
+    with torch.inference_mode(), stock_forward(loaded.trunk.lm.modules()):
+        # (not bit for bit: a matmul over rows in another order may tile them differently; 9e-6 here)
+        torch.testing.assert_close(loaded.trunk.lm(ids).logits, hf(ids).logits)
