@@ -295,12 +295,13 @@ class Engine:
     def kv_reservation(self, end: int) -> int:
         """How many positions the KV caches hold for a request that may reach position `end`. The masked graph-mode
         attention reads the whole capacity (on the H200, 27B shape, 8k positions of spare capacity cost a 200-token
-        prompt 12 ms), so it gets no more than `end`; the split-K kernel, which serves caches over
-        TRITON_MIN_CAPACITY positions (an fp8 cache's at every capacity), reads only the filled length, so there the
-        next turns get KV_AHEAD positions of room too (up to the context limit) and do not re-capture the CUDA
-        graphs (about 400 ms on the 27B shape) whenever the cache grows."""
+        prompt 12 ms), so it gets no more than `end`; the split-K kernel reads only the filled length, so where it
+        serves the cache (every cache where it timed faster at load, else those over TRITON_MIN_CAPACITY positions,
+        an fp8 cache's at every capacity) the next turns get KV_AHEAD positions of room too (up to the context
+        limit) and do not re-capture the CUDA graphs (about 400 ms on the 27B shape) whenever the cache grows."""
         b = self.trunk.backends
-        if b.decode_attention != "triton" or (b.kv_cache != "fp8" and end + KV_AHEAD <= TRITON_MIN_CAPACITY):
+        if b.decode_attention == "masked" or (b.decode_attention == "triton-long" and b.kv_cache != "fp8"
+                                               and end + KV_AHEAD <= TRITON_MIN_CAPACITY):
             return end
         ahead = end + KV_AHEAD
         return ahead if self.context_limit is None else max(end, min(ahead, self.context_limit + 16))

@@ -269,7 +269,9 @@ class Backends:
     gdn_chunk: object = field(default_factory=lambda: Kernel("torch", True))
     gdn_recurrent: object = field(default_factory=lambda: Kernel("torch", False))
     moe: str = "rowwise"  # the decode-width MoE path (model.MOE_PATHS)
-    decode_attention: str = "masked"  # graph-mode attention: "masked" (model) or "triton" (attention_triton)
+    # graph-mode attention: "masked" (model), "triton" (attention_triton) or "triton-long" (the kernel over
+    # capacities past model.TRITON_MIN_CAPACITY and fp8 caches, the masked form below): model.choose_decode_attention
+    decode_attention: str = "masked"
     kv_cache: str = "auto"  # the attention KV cache's storage: "auto" (the model's dtype) or "fp8" (cache.py)
     short_conv: str = "torch"  # GDN's short conv and gates at decode / verify widths: "torch" or "triton" (conv_triton)
     rope: str = "torch"  # the rotary embedding's table and rotation: "torch" or "triton" (rope_triton)

@@ -134,7 +134,8 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, 
         o = causal_attention(q, keys, values, pos, attn.scaling)
     else:  # CUDA-graph capture: the position lives on the device, shapes are the cache's whole capacity
         keys, values = kv_write_at(keys, values, pos, k, v)  # (pos: the positions [T]; fp8: (codes, scales))
-        if path == "triton" and (isinstance(keys, tuple) or keys.shape[2] > TRITON_MIN_CAPACITY):
+        long = isinstance(keys, tuple) or keys.shape[2] > TRITON_MIN_CAPACITY
+        if path == "triton" or path == "triton-long" and long:
             # the filled length only (attention_triton); an fp8 cache at every capacity: its codes are converted
             # in registers, where the masked form would dequantize the whole capacity each step
             ks = vs = None
@@ -319,7 +320,9 @@ def choose_kv_cache(trunk) -> None:
 
 def choose_decode_attention(trunk) -> None:
     """Graph-mode attention: the split-K Triton kernel over the filled length (attention_triton.py) when it
-    serves this trunk and matches the masked form on random inputs; else the masked form, with the reason."""
+    serves this trunk and matches the masked form on random inputs, at every capacity where it also timed faster
+    than the masked form over a short cache at load ("triton"), else over capacities past TRITON_MIN_CAPACITY and
+    fp8 caches ("triton-long"); else the masked form, with the reason."""
     from . import attention_triton
 
     c = trunk.config
@@ -332,17 +335,23 @@ def choose_decode_attention(trunk) -> None:
             err = attention_triton.self_check(trunk.device, trunk.dtype, c.num_attention_heads,
                                               c.num_key_value_heads, c.head_dim, fp8)
             why = None if err < 2e-2 else f"self-check mismatch {err:.2g}"
+            timed = None if fp8 else attention_triton.timed_against_masked(
+                trunk.device, trunk.dtype, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         except Exception as e:  # an architecture or Triton version the kernel does not compile for
             why = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    if why is None:
-        trunk.backends.decode_attention = "triton"
-        where = "an fp8 cache's codes at every capacity" if fp8 else \
-            f"caches over {TRITON_MIN_CAPACITY} positions, the masked form below"
-        trunk.backends.choice["decode_attention"] = ("triton", f"split-K Triton kernel over the filled length for "
-                                                               f"{where} (self-check {err:.1e})")
-    else:
+    if why is not None:
         trunk.backends.choice["decode_attention"] = ("masked", f"matmuls and a softmax over the whole capacity "
                                                                f"({why})")
+        return
+    everywhere = fp8 or timed[0] < timed[1]
+    trunk.backends.decode_attention = "triton" if everywhere else "triton-long"
+    where = ("an fp8 cache's codes at every capacity" if fp8 else
+             f"every capacity (a decode and a verify call over 2,048 positions at load: {timed[0] * 1e3:.0f} us, "
+             f"the masked form {timed[1] * 1e3:.0f})" if everywhere else
+             f"caches over {TRITON_MIN_CAPACITY} positions, the masked form below (a decode and a verify call over "
+             f"2,048 positions at load: {timed[1] * 1e3:.0f} us, the kernel {timed[0] * 1e3:.0f})")
+    trunk.backends.choice["decode_attention"] = ("triton", f"split-K Triton kernel over the filled length for "
+                                                           f"{where} (self-check {err:.1e})")
 
 
 def moe_check(trunk) -> tuple[str, str]:

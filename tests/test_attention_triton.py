@@ -14,6 +14,7 @@ from engine.model import masked_decode_attention
     (6, 2, 64, 17, 1024, 0),  # a wide verify from position 0: several row blocks
     (4, 4, 64, 3, 256, 253),  # the last positions of the capacity
     (24, 4, 256, 4, 4096, 3000),  # the 27B shape's heads
+    (8, 2, 64, 2, 65536, 40000),  # more live splits than the merge reads at once (40 of 256)
 ])
 def test_split_k_attention_equals_the_masked_form(triton_device, heads, kv_heads, head_dim, T, capacity, first):
     from engine import attention_triton
@@ -21,7 +22,8 @@ def test_split_k_attention_equals_the_masked_form(triton_device, heads, kv_heads
     dev = triton_device
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
     g = torch.Generator(device=dev).manual_seed(first)
-    q = torch.randn(1, heads, T, head_dim, device=dev, dtype=dtype, generator=g)
+    # (as the engine's queries come: [1, T, H, D] transposed, read through their strides)
+    q = torch.randn(1, T, heads, head_dim, device=dev, dtype=dtype, generator=g).transpose(1, 2)
     k, v = (torch.randn(1, kv_heads, capacity, head_dim, device=dev, dtype=dtype, generator=g) for _ in range(2))
     k[:, :, first + T :] = float("nan")  # past the filled length: never read (NaN would show)
     v[:, :, first + T :] = float("nan")
@@ -77,3 +79,7 @@ def test_the_kernel_compiles_for_a_gpu(fp8):
     compile_for_gpu("engine.attention_triton", "_splits", types,
                     {"BLOCK_R": 32, "BLOCK_N": 64, "D": 256, "FP8": fp8, "PDL": True}, num_warps=4,
                     num_stages=attention_triton.STAGES)
+    if not fp8:  # (the merge reads float32 partials whatever the cache holds)
+        merge = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "POS": "*i64", "OUT": "*bf16"}
+        compile_for_gpu("engine.attention_triton", "_merge", merge,
+                        {"BLOCK_S": attention_triton.MERGE_SPLITS, "D": 256, "PDL": True}, num_warps=2)
