@@ -109,6 +109,10 @@ def causal_attention(q, keys, values, pos: int, scale: float) -> torch.Tensor:
 # H200 (27B shape, 4 queries), masked 0.123 / 0.134 / 0.471 ms at 2k / 32k / 131k positions, the split-K kernel
 # 0.153 / 0.148 / 0.213 ms: they cross near 37k. The capacity is a static shape, so each capture picks one.
 TRITON_MIN_CAPACITY = 40960
+# Below it the kernel serves a trunk only where it timed this many times faster than the masked form at load
+# (choose_decode_attention): the timing is the eager masked form's, and --compile fuses it (on the H200, 27B shape,
+# 4 queries over 2k positions: 0.123 ms eager, 0.09 compiled), so a narrower win would be a loss there.
+COMPILED_MASKED_GAIN = 1.4
 
 
 def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, path: str = "masked",
@@ -320,9 +324,9 @@ def choose_kv_cache(trunk) -> None:
 
 def choose_decode_attention(trunk) -> None:
     """Graph-mode attention: the split-K Triton kernel over the filled length (attention_triton.py) when it
-    serves this trunk and matches the masked form on random inputs, at every capacity where it also timed faster
-    than the masked form over a short cache at load ("triton"), else over capacities past TRITON_MIN_CAPACITY and
-    fp8 caches ("triton-long"); else the masked form, with the reason."""
+    serves this trunk and matches the masked form on random inputs, at every capacity where it also timed
+    COMPILED_MASKED_GAIN times faster than the masked form over a short cache at load ("triton"), else over
+    capacities past TRITON_MIN_CAPACITY and fp8 caches ("triton-long"); else the masked form, with the reason."""
     from . import attention_triton
 
     c = trunk.config
@@ -343,7 +347,7 @@ def choose_decode_attention(trunk) -> None:
         trunk.backends.choice["decode_attention"] = ("masked", f"matmuls and a softmax over the whole capacity "
                                                                f"({why})")
         return
-    everywhere = fp8 or timed[0] < timed[1]
+    everywhere = fp8 or timed[0] * COMPILED_MASKED_GAIN < timed[1]
     trunk.backends.decode_attention = "triton" if everywhere else "triton-long"
     where = ("an fp8 cache's codes at every capacity" if fp8 else
              f"every capacity (a decode and a verify call over 2,048 positions at load: {timed[0] * 1e3:.0f} us, "
