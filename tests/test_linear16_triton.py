@@ -10,14 +10,16 @@ from engine import linear16_triton, stock_forward
 from engine.splitk import bucket
 
 
-def test_the_op_runs_the_choice_of_its_width_and_cublas_for_any_other(triton_device, monkeypatch):
+@pytest.mark.parametrize("verify", [("dot", (16, 2, 2, 3)), ("rows", (16, 1, 4, 3))])  # (both are candidates)
+def test_the_op_runs_the_choice_of_its_width_and_cublas_for_any_other(triton_device, monkeypatch, verify):
     dtype = torch.bfloat16 if triton_device.type == "cuda" else torch.float16
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(80, 256, generator=g) * 0.05).to(triton_device, dtype)
     chosen = {(80, 256, bucket(1), triton_device.index): ("rows", (32, 1, 4, 3)),
-              (80, 256, bucket(4), triton_device.index): ("dot", (16, 2, 2, 3))}
+              (80, 256, bucket(4), triton_device.index): verify}
+    assert verify in linear16_triton.CANDIDATES[4]
     monkeypatch.setattr(linear16_triton, "_chosen", chosen)
-    for rows in (1, 3, 12):  # the row kernel, the tensor-core one, cuBLAS (no choice at 9-16 rows)
+    for rows in (1, 3, 5, 12):  # the row kernel, the verify widths' choice, cuBLAS (no choice at 9-16 rows)
         x = torch.randn(2, rows, 256, generator=g).to(triton_device, dtype)[0]
         got = linear16_triton.matmul(x, w)
         ref = F.linear(x.float(), w.float())
