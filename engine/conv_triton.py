@@ -5,7 +5,8 @@ sigmoid, a + dt_bias, softplus, the decay's product); plain decoding adds the wi
 cache's update, a verify pass the window's two copies into its stash and q, k and v's three. Those are strided
 elementwise kernels of a few thousand values: on the demo model's depth-3 cycle (H100,
 packaging/bench/cycle_demo_gathers_h100.json) torch's strided elementwise kernels, these among them, took 0.25 ms
-of its 0.91 ms on the GPU, against 0.03 ms of a plain step's 0.40. Here one launch does all of it: each program reads its channels' conv cache and new inputs,
+of its 0.91 ms on the GPU, against 0.03 ms of a plain step's 0.40. Here one launch does all of it: each program
+reads its channels' conv cache and new inputs (a verify pass: one token's each; plain decoding: every token's),
 writes silu(conv) into q, k and v (a verify pass's stash rows, or the rows plain decoding hands the recurrent
 kernel), the conv-input window (a verify pass's stash) or the new conv cache (plain decoding), and the first
 program the gates g and beta.
@@ -51,11 +52,11 @@ if triton is not None:
                            WINDOW: tl.constexpr, STORE_STATE: tl.constexpr, BLOCK: tl.constexpr,
                            GATES: tl.constexpr, PDL: tl.constexpr = False):
         after_previous(PDL)
-        pid = tl.program_id(0)
+        pid, t0, t_step = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
         c = pid * BLOCK + tl.arange(0, BLOCK)
         cm = c < C
         dtype = q_ptr.dtype.element_ty
-        for t in range(T):
+        for t in range(t0, T, t_step):
             acc = tl.zeros((BLOCK,), dtype=tl.float32)
             for j in tl.static_range(K1 + 1):
                 x = _window_at(x_ptr, stride_xt, stride_xc, state_ptr, stride_sc, c, cm, t + j, K1).to(tl.float32)
@@ -69,7 +70,11 @@ if triton is not None:
             tl.store(k_ptr + t * stride_kt + (c - CK), y, mask=cm & (c >= CK) & (c < 2 * CK))
             tl.store(v_ptr + t * stride_vt + (c - 2 * CK), y, mask=cm & (c >= 2 * CK))
         if WINDOW:  # (a chained pass's cache is the window's own first columns: the same values stored back)
-            for i in range(K1 + T):
+            if t0 == 0:  # the cache's columns; each token's program its own input's
+                for i in range(K1):
+                    col = _window_at(x_ptr, stride_xt, stride_xc, state_ptr, stride_sc, c, cm, i, K1)
+                    tl.store(window_ptr + c * stride_wc + i, col.to(window_ptr.dtype.element_ty), mask=cm)
+            for i in range(K1 + t0, K1 + T, t_step):
                 col = _window_at(x_ptr, stride_xt, stride_xc, state_ptr, stride_sc, c, cm, i, K1)
                 tl.store(window_ptr + c * stride_wc + i, col.to(window_ptr.dtype.element_ty), mask=cm)
         if STORE_STATE:  # the cache after the pass: the window's last K1 columns, all read before any is written
@@ -78,7 +83,7 @@ if triton is not None:
             new = _window_at(x_ptr, stride_xt, stride_xc, state_ptr, stride_sc, cj, cjm, T + j, K1)
             tl.debug_barrier()
             tl.store(state_ptr + cj * stride_sc + j, new, mask=cjm)
-        if pid == 0:
+        if pid == 0 and t0 == 0:
             for start in range(0, T * HV, GATES):
                 e = start + tl.arange(0, GATES)
                 em = e < T * HV
@@ -114,7 +119,10 @@ def conv_gates(mixer, x: torch.Tensor, state: torch.Tensor, b: torch.Tensor, a: 
         assert t.stride(-1) == 1, t.stride()
     assert weight.is_contiguous() and weight.shape[-1] == K1 + 1 and g.is_contiguous() and beta.is_contiguous()
     HV = b.shape[-1]
-    _conv_gates_kernel[(triton.cdiv(C, BLOCK_C),)](
+    # a verify pass's tokens in programs of their own (a program's loop over T was the pass's latency: 6.8 us a
+    # launch at four tokens against 3.2 at one, demo model, H100); the cache's update reads old columns that another
+    # token's program would overwrite, so a pass that stores it keeps its tokens in one program
+    _conv_gates_kernel[(triton.cdiv(C, BLOCK_C), 1 if store_state else T)](
         x, x.stride(1), x.stride(0), state, state.stride(0), weight, bias if bias is not None else weight,
         window if window is not None else state, window.stride(0) if window is not None else 0,
         q, k, v, q.stride(0), k.stride(0), v.stride(0), b, a, b.stride(0), a.stride(0),
