@@ -409,10 +409,13 @@ def block(trunk, layer, kind: str, h, pending, pos, cos, sin, state: tuple, rows
     before's MLP output, not yet added to its residual stream h (zeros before the first layer), and this layer's
     is returned the same way, (h, pending): the add happens where compiled code fuses it into the next layer's
     input norm (64 kernels fewer a step on the 27B shape), and it is the same add of the same operands, so eager
-    results do not change by a bit. state: this layer's cache views (KVCache.layer / GDNState.layer; a GDN layer's
+    results do not change by a bit (None: the pass's first layer, first_pending). state: this layer's cache views (KVCache.layer / GDNState.layer; a GDN layer's
     with a padded prefill's `real` after them: Trunk.forward); rows: its verify stash rows, None for prefill. No
     layer numbers inside, so torch.compile compiles it once per layer kind and reuses it for every layer."""
-    h, x = add_then_norm(layer.input_layernorm, h, pending)
+    if pending is None:  # a pass's first layer (first_pending)
+        x = layer.input_layernorm(h)
+    else:
+        h, x = add_then_norm(layer.input_layernorm, h, pending)
     if kind == "linear_attention":
         if rows is not None:
             x = gdn.verify(layer.linear_attn, x, *state, trunk.backends, rows)
@@ -422,6 +425,13 @@ def block(trunk, layer, kind: str, h, pending, pos, cos, sin, state: tuple, rows
         x = attention(layer.self_attn, x, pos, cos, sin, *state, trunk.backends.decode_attention, trunk.backends.rope)
     h, x = add_then_norm(layer.post_attention_layernorm, h, trunk.reduce(x))
     return h, trunk.reduce(mlp(layer, x, trunk.backends.moe))
+
+
+def first_pending(step, h: torch.Tensor) -> torch.Tensor | None:
+    """The `pending` a pass's first layer gets from `step` (Trunk.layer_step): None for `block` (its input norm
+    alone: no zeros written and added, a launch fewer a pass, the trunk's and each MTP step's); zeros for the
+    compiled block, so that the first layer calls it as every other does (one compilation a layer kind)."""
+    return None if step is block else torch.zeros_like(h)
 
 
 def layer_slots(kinds: list[str]) -> list[int]:
@@ -560,7 +570,7 @@ class Trunk:
         if caches.window is not None:  # (pos: an int, or in graph mode the positions [T] on the device)
             caches.window.begin(pos, T, speculative=verify or real is not None, chained=chain > 0)
         step = self.layer_step(pos)
-        pending = torch.zeros_like(h)
+        pending = first_pending(step, h)
         for layer, kind, slot in zip(self.layers, self.kinds, self.slots):
             if kind == "linear_attention":
                 state, rows = caches.gdn.layer(slot), stash.rows(slot) if stash is not None else None

@@ -17,6 +17,7 @@ from .cache import KVCache
 from .errors import EngineError
 from .families import fuse_experts
 from .fusion import fuse_all
+from .model import first_pending
 from .modules import quantize_like_releases
 from .fp8_triton import install as install_fp8
 from .cpu_linear import install as install_cpu_linear
@@ -127,8 +128,9 @@ class MTPHead(nn.Module):
         h = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], -1))  # embedding first, hidden second
         pos = trunk.positions(pos, h.shape[1])
         cos, sin = rope or trunk.rope(pos, h.shape[1])
-        h, pending = trunk.layer_step(pos)(trunk, self.layers[0], "full_attention", h, torch.zeros_like(h), pos, cos,
-                                           sin, cache.layer(0), None)
+        step = trunk.layer_step(pos)
+        h, pending = step(trunk, self.layers[0], "full_attention", h, first_pending(step, h), pos, cos, sin,
+                          cache.layer(0), None)
         out = add_then_norm(self.norm, h, pending)[1]
         if row is not None:
             out = out.index_select(1, row)
