@@ -109,7 +109,7 @@ def keep_constants(layers) -> None:
             r, device = nv // nk, mixer.A_log.device
             qkvz = _group_columns(nk, [dk, dk, r * dv, r * dv]).to(device)
             ba = _group_columns(nk, [r, r]).to(device)
-            if reorder_rows(mixer.in_proj_qkvz, qkvz, check=True) and reorder_rows(mixer.in_proj_ba, ba, check=True):
+            if movable(mixer.in_proj_qkvz, qkvz) and movable(mixer.in_proj_ba, ba):
                 reorder_rows(mixer.in_proj_qkvz, qkvz)
                 reorder_rows(mixer.in_proj_ba, ba)
                 mixer.fix_query_key_value_ordering = functools.partial(split_in_order, mixer)
@@ -119,32 +119,38 @@ def keep_constants(layers) -> None:
             mixer.register_buffer("qkvzba_order", torch.cat([qkvz, ba + qkvz.shape[0]]), persistent=False)
 
 
-def reorder_rows(linear, order: torch.Tensor, check: bool = False) -> bool:
-    """linear's output features put in `order` (output j becomes the old output order[j]), in place, in its own
-    format: a weight's rows (16-bit, float32), an FP8 weight's rows with its scale rows (only where `order` moves
-    whole 128-row blocks: each block has one scale row), a 4-bit weight's columns with their zeros and scales.
-    check: only whether it can. False for any other layout."""
+def movable(linear, order: torch.Tensor) -> bool:
+    """Whether reorder_rows can put linear's outputs in `order`: a 16-bit or float32 Linear, a 4-bit one, an FP8 one
+    where `order` moves whole 128-row blocks (each has one scale row)."""
     if isinstance(linear, fp8.FP8Linear):
-        blocks = order.view(-1, fp8.BLOCK) if order.shape[0] % fp8.BLOCK == 0 else None
-        whole_blocks = blocks is not None and bool(
-            (blocks[:, 0] % fp8.BLOCK == 0).all() and (blocks == blocks[:, :1] + torch.arange(
-                fp8.BLOCK, device=order.device)).all())
-        if check or not whole_blocks:
-            return whole_blocks
+        return _block_starts(order) is not None
+    return isinstance(linear, Int4Linear) or type(linear) is torch.nn.Linear
+
+
+def reorder_rows(linear, order: torch.Tensor) -> None:
+    """linear's output features put in `order` (output j becomes the old output order[j]), in place, in its own
+    format (movable): a weight's rows (and bias), an FP8 weight's rows with its scale rows, a 4-bit weight's
+    columns with their zeros and scales."""
+    if isinstance(linear, fp8.FP8Linear):
         _take(linear.weight.data, 0, order)
-        _take(linear.weight_scale_inv, 0, blocks[:, 0] // fp8.BLOCK)
+        _take(linear.weight_scale_inv, 0, _block_starts(order) // fp8.BLOCK)
     elif isinstance(linear, Int4Linear):  # (qweight [K/8, N], zeros [G, N], scales [G, N]: N is the columns)
-        if not check:
-            for t in (linear.qweight, linear.zeros, linear.scales):
-                _take(t, 1, order)
-    elif type(linear) is torch.nn.Linear:
-        if not check:
-            _take(linear.weight.data, 0, order)
-            if linear.bias is not None:
-                _take(linear.bias.data, 0, order)
+        for t in (linear.qweight, linear.zeros, linear.scales):
+            _take(t, 1, order)
     else:
-        return False
-    return True
+        _take(linear.weight.data, 0, order)
+        if linear.bias is not None:
+            _take(linear.bias.data, 0, order)
+
+
+def _block_starts(order: torch.Tensor) -> torch.Tensor | None:
+    """The first index of each 128 in `order` where it moves whole, aligned 128-row blocks; else None."""
+    if order.shape[0] % fp8.BLOCK:
+        return None
+    blocks = order.view(-1, fp8.BLOCK)
+    whole = (blocks[:, 0] % fp8.BLOCK == 0).all() and (blocks == blocks[:, :1] + torch.arange(
+        fp8.BLOCK, device=order.device)).all()
+    return blocks[:, 0] if bool(whole) else None
 
 
 def _take(t: torch.Tensor, dim: int, index: torch.Tensor) -> None:
