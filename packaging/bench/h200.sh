@@ -587,17 +587,18 @@ stop63b)  # stop 63 (about 3 minutes): the demo model after the one gather over 
         --json "$OUT/cycle_demo_gather63.json" 2>&1 | grep -E "^depth|rror"
   [ $SECONDS -lt 150 ] && gpu_tests $((170 - SECONDS)) "$OUT/gpu_tests_gather63.log" tests/test_gpu.py -k cuda_graphs_certified
   ;;
-stop64)  # stop 64 (about 5 minutes): the demo model with its GDN projections in order at load (no gather) and the
-  # split-K attention with its merge kernel, chosen at every capacity where it timed faster at load: the choice,
-  # the plain / depth-3 / auto rows, the cycle profile, then the attention kernel's and the graph tests
-  timeout 120 python3 -c "from engine import load_engine; e = load_engine('engine/assets/demo', device='cuda'); \
+stop64)  # stop 64 (under 5 minutes): the demo model with its GDN projections in order at load (no gather), the
+  # split-K attention with its merge kernel (chosen at every capacity where it timed faster at load), the short
+  # conv's verify tokens in programs of their own and the row form among the four-row linears: the new kernels'
+  # GPU tests first, then the choice, the plain / depth-3 / auto rows and, as time allows, the cycle profile
+  gpu_tests 150 "$OUT/gpu_tests_stop64.log" tests/test_attention_triton.py tests/test_conv_triton.py \
+        tests/test_linear16_triton.py tests/test_gpu.py -k "not compile or for_a_gpu"
+  timeout 60 python3 -c "from engine import load_engine; e = load_engine('engine/assets/demo', device='cuda'); \
 print(e.trunk.backends.choice['decode_attention'])" 2>&1 | tail -2 | tee "$OUT/attention_choice64.txt"
-  BENCH_TIMEOUT=150 bench --model engine/assets/demo --depths 0,3,auto --drafter mtp --max-new-tokens 256 --repeat 2 \
-        --no-hf --out "$OUT/bench_demo_stop64.json" | grep -E "auto|mtp|none|rror"
-  timeout 60 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
-        --json "$OUT/cycle_demo_stop64.json" 2>&1 | grep -E "^depth|rror"
-  [ $SECONDS -lt 330 ] && gpu_tests $((400 - SECONDS)) "$OUT/gpu_tests_stop64.log" tests/test_attention_triton.py \
-        tests/test_kv_fp8.py tests/test_gpu.py -k "attention or kv or cuda_graphs_certified"
+  [ $SECONDS -lt 200 ] && BENCH_TIMEOUT=$((280 - SECONDS)) bench --model engine/assets/demo --depths 0,3,auto \
+        --drafter mtp --max-new-tokens 256 --repeat 2 --no-hf --out "$OUT/bench_demo_stop64.json" | grep -E "auto|mtp|none|rror"
+  [ $SECONDS -lt 240 ] && timeout $((290 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo \
+        --depths 0,3 --json "$OUT/cycle_demo_stop64.json" 2>&1 | grep -E "^depth|rror"
   ;;
 fp8x62)  # stop 62 (needs an H200: 80 GB of FP8 weights): #23's whole 80B-A3B in FP8, compiled, as its record
   # (299.4 tok/s); then, as time allows, #28's 27B shape in bf16, compiled, plain and depth 3
