@@ -600,6 +600,12 @@ print(e.trunk.backends.choice['decode_attention'])" 2>&1 | tail -2 | tee "$OUT/a
   [ $SECONDS -lt 240 ] && timeout $((290 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo \
         --depths 0,3 --json "$OUT/cycle_demo_stop64.json" 2>&1 | grep -E "^depth|rror"
   ;;
+stop64t)  # stop 64's short check (under 3 minutes): the new kernels' GPU tests and the demo's attention choice
+  gpu_tests 110 "$OUT/gpu_tests_stop64t.log" tests/test_attention_triton.py tests/test_conv_triton.py \
+        tests/test_linear16_triton.py
+  timeout 50 python3 -c "from engine import load_engine; e = load_engine('engine/assets/demo', device='cuda'); \
+print(e.trunk.backends.choice['decode_attention'])" 2>&1 | tail -2 | tee "$OUT/attention_choice64.txt"
+  ;;
 fp8x62)  # stop 62 (needs an H200: 80 GB of FP8 weights): #23's whole 80B-A3B in FP8, compiled, as its record
   # (299.4 tok/s); then, as time allows, #28's 27B shape in bf16, compiled, plain and depth 3
   BENCH_TIMEOUT=400 bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 --drafter oracle \
