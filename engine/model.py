@@ -339,21 +339,26 @@ def choose_decode_attention(trunk) -> None:
             err = attention_triton.self_check(trunk.device, trunk.dtype, c.num_attention_heads,
                                               c.num_key_value_heads, c.head_dim, fp8)
             why = None if err < 2e-2 else f"self-check mismatch {err:.2g}"
-            timed = None if fp8 else attention_triton.timed_against_masked(
-                trunk.device, trunk.dtype, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         except Exception as e:  # an architecture or Triton version the kernel does not compile for
             why = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     if why is not None:
         trunk.backends.choice["decode_attention"] = ("masked", f"matmuls and a softmax over the whole capacity "
                                                                f"({why})")
         return
-    everywhere = fp8 or timed[0] * COMPILED_MASKED_GAIN < timed[1]
+    timed = None
+    if not fp8:
+        try:
+            timed = attention_triton.timed_against_masked(trunk.device, trunk.dtype, c.num_attention_heads,
+                                                          c.num_key_value_heads, c.head_dim)
+        except Exception:  # (its graphs failed: the kernel keeps to the long caches)
+            pass
+    everywhere = fp8 or timed is not None and timed[0] * COMPILED_MASKED_GAIN < timed[1]
     trunk.backends.decode_attention = "triton" if everywhere else "triton-long"
-    where = ("an fp8 cache's codes at every capacity" if fp8 else
-             f"every capacity (a decode and a verify call over 2,048 positions at load: {timed[0] * 1e3:.0f} us, "
-             f"the masked form {timed[1] * 1e3:.0f})" if everywhere else
-             f"caches over {TRITON_MIN_CAPACITY} positions, the masked form below (a decode and a verify call over "
-             f"2,048 positions at load: {timed[1] * 1e3:.0f} us, the kernel {timed[0] * 1e3:.0f})")
+    timing = ("not timed at load" if timed is None else
+              f"a decode and a verify call over 2,048 positions at load: {timed[0] * 1e3:.0f} us, the masked form "
+              f"{timed[1] * 1e3:.0f}")
+    where = ("an fp8 cache's codes at every capacity" if fp8 else f"every capacity ({timing})" if everywhere else
+             f"caches over {TRITON_MIN_CAPACITY} positions, the masked form below ({timing})")
     trunk.backends.choice["decode_attention"] = ("triton", f"split-K Triton kernel over the filled length for "
                                                            f"{where} (self-check {err:.1e})")
 
@@ -406,12 +411,13 @@ def moe_check(trunk) -> tuple[str, str]:
 
 def block(trunk, layer, kind: str, h, pending, pos, cos, sin, state: tuple, rows: tuple | None):
     """One decoder layer: mixer (GDN or gated attention) and MLP, each with its residual. pending: the layer
-    before's MLP output, not yet added to its residual stream h (zeros before the first layer), and this layer's
-    is returned the same way, (h, pending): the add happens where compiled code fuses it into the next layer's
-    input norm (64 kernels fewer a step on the 27B shape), and it is the same add of the same operands, so eager
-    results do not change by a bit (None: the pass's first layer, first_pending). state: this layer's cache views (KVCache.layer / GDNState.layer; a GDN layer's
-    with a padded prefill's `real` after them: Trunk.forward); rows: its verify stash rows, None for prefill. No
-    layer numbers inside, so torch.compile compiles it once per layer kind and reuses it for every layer."""
+    before's MLP output, not yet added to its residual stream h (before the first layer: None, or zeros for the
+    compiled block, first_pending), and this layer's is returned the same way, (h, pending): the add happens where
+    compiled code fuses it into the next layer's input norm (64 kernels fewer a step on the 27B shape), and it is
+    the same add of the same operands, so eager results do not change by a bit. state: this layer's cache views
+    (KVCache.layer / GDNState.layer; a GDN layer's with a padded prefill's `real` after them: Trunk.forward);
+    rows: its verify stash rows, None for prefill. No layer numbers inside, so torch.compile compiles it once per
+    layer kind and reuses it for every layer."""
     if pending is None:  # a pass's first layer (first_pending)
         x = layer.input_layernorm(h)
     else:
