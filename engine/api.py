@@ -21,7 +21,7 @@ from .events import FORCED, TARGET, Fallback, Finished, Started, Tokens
 from .host_embedding import check_mode
 from .autodepth import AutoDrafter, DepthChooser, drafter_cycles
 from .limits import AUTO, AUTO_MAX_DEPTH, MAX_DEPTH, MAX_NEW_TOKENS, SEED_MAX, SEED_MIN
-from .model import TRITON_MIN_CAPACITY, Loaded, load
+from .model import Loaded, kernel_serves, load
 from .reasoning import ThinkingInfo, ReplyParts, last_open, reasoning_apart, thinking_info
 from .reuse import TurnCache
 from .sampling import SamplingParams
@@ -300,8 +300,7 @@ class Engine:
         an fp8 cache's at every capacity) the next turns get KV_AHEAD positions of room too (up to the context
         limit) and do not re-capture the CUDA graphs (about 400 ms on the 27B shape) whenever the cache grows."""
         b = self.trunk.backends
-        if b.decode_attention == "masked" or (b.decode_attention == "triton-long" and b.kv_cache != "fp8"
-                                               and end + KV_AHEAD <= TRITON_MIN_CAPACITY):
+        if not kernel_serves(b.decode_attention, end + KV_AHEAD, b.kv_cache == "fp8"):
             return end
         ahead = end + KV_AHEAD
         return ahead if self.context_limit is None else max(end, min(ahead, self.context_limit + 16))

@@ -178,14 +178,14 @@ def self_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: i
     against the masked form over their dequantized values."""
     from .cache import dequantize_kv, quantize_kv
     from .kernels import relative_error
-    from .model import masked_decode_attention
+    from .model import future_of, masked_decode_attention
 
     g = torch.Generator(device=device).manual_seed(0)
     T, n = 4, 1024
     q = torch.randn(1, heads, T, head_dim, device=device, dtype=dtype, generator=g)
     k, v = (torch.randn(1, kv_heads, n, head_dim, device=device, dtype=dtype, generator=g) for _ in range(2))
     positions = torch.arange(300, 300 + T, device=device)
-    future = torch.arange(n, device=device)[None, :] > positions[:, None]
+    future = future_of(positions, n)
     scale = head_dim ** -0.5
     if not fp8:
         return relative_error(attention(q, k, v, positions, scale), masked_decode_attention(q, k, v, future, scale))
@@ -201,7 +201,7 @@ def timed_against_masked(device: torch.device, dtype: torch.dtype, heads: int, k
     capacity, this kernel the filled length, so where it wins here it wins over every longer cache too. (On the
     27B shape the masked form won below about 37k positions; on a small model, whose calls are mostly their
     launches, two launches against nine.)"""
-    from .model import masked_decode_attention
+    from .model import future_of, masked_decode_attention
     from .splitk import graph_ms
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -212,8 +212,7 @@ def timed_against_masked(device: torch.device, dtype: torch.dtype, heads: int, k
         positions = torch.arange(filled, filled + T, device=device)
 
         def the_masked():  # (as model.attention builds its mask: inside the graph, from the positions)
-            future = torch.arange(capacity, device=device)[None, :] > positions[:, None]
-            return masked_decode_attention(q, k, v, future, scale)
+            return masked_decode_attention(q, k, v, future_of(positions, capacity), scale)
 
         kernel += graph_ms(lambda: attention(q, k, v, positions, scale))
         masked += graph_ms(the_masked)

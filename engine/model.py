@@ -85,6 +85,17 @@ def masked_decode_attention(q, keys, values, future, scale: float) -> torch.Tens
                         values).reshape(B, H, T, D)
 
 
+def future_of(positions: torch.Tensor, capacity: int) -> torch.Tensor:
+    """masked_decode_attention's mask [T, capacity]: True where a key lies past query t's position positions[t]."""
+    return torch.arange(capacity, device=positions.device)[None, :] > positions[:, None]
+
+
+def kernel_serves(path: str, capacity: int, fp8: bool) -> bool:
+    """Whether graph-mode attention over a cache of `capacity` positions takes the split-K kernel
+    (Backends.decode_attention: "triton" everywhere, "triton-long" past TRITON_MIN_CAPACITY and over fp8 caches)."""
+    return path == "triton" or (path == "triton-long" and (fp8 or capacity > TRITON_MIN_CAPACITY))
+
+
 def causal_attention(q, keys, values, pos: int, scale: float) -> torch.Tensor:
     """Queries q [1, H, T, D] at positions pos..pos+T-1 over keys / values [1, Hkv, pos + T, D]: query i sees keys
     0..pos+i. On CUDA in 16-bit: the flash kernel, no [T, pos + T] mask, grouped-query heads native (on the H200,
@@ -138,8 +149,8 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, 
         o = causal_attention(q, keys, values, pos, attn.scaling)
     else:  # CUDA-graph capture: the position lives on the device, shapes are the cache's whole capacity
         keys, values = kv_write_at(keys, values, pos, k, v)  # (pos: the positions [T]; fp8: (codes, scales))
-        long = isinstance(keys, tuple) or keys.shape[2] > TRITON_MIN_CAPACITY
-        if path == "triton" or path == "triton-long" and long:
+        fp8 = isinstance(keys, tuple)
+        if kernel_serves(path, (keys[0] if fp8 else keys).shape[2], fp8):
             # the filled length only (attention_triton); an fp8 cache at every capacity: its codes are converted
             # in registers, where the masked form would dequantize the whole capacity each step
             ks = vs = None
@@ -149,8 +160,7 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, 
             o = torch.ops.mtpchat.decode_attention(q, keys, values, pos, attn.scaling, ks, vs)
         else:
             keys, values = dequantize_kv(keys, q.dtype), dequantize_kv(values, q.dtype)
-            future = torch.arange(keys.shape[2], device=k.device)[None, :] > pos[:, None]
-            o = masked_decode_attention(q, keys, values, future, attn.scaling)
+            o = masked_decode_attention(q, keys, values, future_of(pos, keys.shape[2]), attn.scaling)
     # [B, T, heads, D] from views, no copies: the gate first, so that the product takes its contiguous layout
     o = o.transpose(1, 2) if gate is None else torch.sigmoid(gate) * o.transpose(1, 2)
     return attn.o_proj(o.reshape(B, T, -1))
