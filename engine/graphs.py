@@ -244,6 +244,7 @@ class Ahead:
         self.prev = torch.full((1 + width,), -1, dtype=torch.long, device=device)
         self.stops = torch.full((STOPS,), -1, dtype=torch.long, device=device)
         self.stop_ids: frozenset = frozenset()  # what self.stops holds
+        self.n = torch.zeros((), dtype=torch.long, device=device)  # settle's count, where a kernel writes it
 
     def set_stops(self, stop_ids: frozenset) -> None:
         """The request's stop ids, copied only when they change (a copy from host memory waits for the GPU)."""
@@ -251,6 +252,25 @@ class Ahead:
             self.stops.fill_(-1)
             self.stops[: len(stop_ids)] = torch.tensor(sorted(stop_ids), dtype=torch.long)
             self.stop_ids = frozenset(stop_ids)
+
+
+def settle(a: Ahead, width: int, backends) -> torch.Tensor:
+    """The count n (a tensor [] on the device) of the pending cycle's tokens to commit: its accepted drafts and
+    bonus token, cut after an EOS as speculative.finish cuts; 0 when nothing is pending (a.prev[0] = -1). Moves
+    a.pos past them and sets a.last to the last of them. Reads nothing on the host (a cycle graph's prelude).
+    backends.commit == "triton": one launch (commit_triton.settle), the same values."""
+    if backends is not None and backends.commit == "triton":
+        from .commit_triton import settle as settle_kernel
+
+        return settle_kernel(a.prev, a.stops, width, a.pos, a.last, a.n)
+    m, targets = a.prev[0], a.prev[1 : 1 + width]
+    rows = torch.arange(width, device=m.device)
+    # (no host reads in a capture: comparisons, not isin; index_select, not indexing by a tensor)
+    stop = (targets[:, None] == a.stops[None, :]).any(-1) & (rows <= m)  # (m = -1: nothing pending)
+    n = torch.where(stop.any(), stop.int().argmax() + 1, m + 1)  # cut after an EOS, as finish does
+    a.pos.add_(n)
+    a.last.copy_(torch.where(n > 0, targets.index_select(0, (n - 1).clamp(min=0).view(1)), a.last))
+    return n
 
 
 class GraphRunner:
@@ -383,14 +403,7 @@ class GraphRunner:
 
         def step(splits):  # (the committed position is a.pos: one for both graphs of a width, every width)
             pos = a.pos
-            m, targets = a.prev[0], a.prev[1 : 1 + width]
-            rows = torch.arange(width, device=pos.device)
-            # (no host reads in a capture: comparisons, not isin; index_select, not indexing by a tensor)
-            stop = (targets[:, None] == a.stops[None, :]).any(-1) & (rows <= m)  # (m = -1: nothing pending)
-            n = torch.where(stop.any(), stop.int().argmax() + 1, m + 1)  # cut after an EOS, as finish does
-            keep_first(state, stash, n, width, trunk.backends)
-            pos.add_(n)
-            a.last.copy_(torch.where(n > 0, targets.index_select(0, (n - 1).clamp(min=0).view(1)), a.last))
+            keep_first(state, stash, settle(a, width, trunk.backends), width, trunk.backends)
             splits[0].record()
             drafts = drafter.chained(a.h, a.first, pos, T - 2) if T > 2 else a.first[:0]
             tokens = torch.cat([a.last.view(1), a.first, drafts]).view(1, T)

@@ -1,0 +1,163 @@
+"""The cycle graph's commit of the cycle before it (graphs.GraphRunner.cycle) in two Triton launches instead of
+about thirty torch ops, each a graph node of ~2 us on a small model (the demo's depth-3 cycle held ~300):
+
+- `settle`: from the pending acceptance [m, targets] and the stop ids, the count n of tokens to keep (cut after an
+  EOS, as speculative.finish cuts), the committed position moved by n and the last committed token updated
+  (graphs.settle's torch form: arange, comparisons, any, argmax, where, index_select, copies);
+- `first_rows_`: the verify stash's rows from n on made no-ops in place (gdn.first_rows' g = beta = k = v = 0)
+  and each GDN layer's conv window moved to the one ending at token n (gdn.window_at), for all layers at once;
+  the recurrence over the stash is then FLA's one launch, as before (gdn.keep_first).
+
+Both only compare, select and copy: they equal the torch forms exactly, which the self-check at load asserts.
+Zeroing in place is safe because the graph's verify pass writes the stash again before anything reads it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .kernels import self_checked
+from .splitk import pdl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the module still imports, install() says why not
+    triton = None
+
+BLOCK = 1024  # columns a program: the 27B shape's 10,240 conv channels in 10 programs a layer
+
+
+if triton is not None:
+    from .splitk import after_previous
+
+    @triton.jit
+    def _settle_kernel(prev_ptr, stops_ptr, pos_ptr, last_ptr, n_ptr, W: tl.constexpr, BW: tl.constexpr,
+                       S: tl.constexpr, PDL: tl.constexpr = False):
+        """n = the first accepted row holding a stop id, plus one, else m + 1 (m = -1: nothing pending, n = 0);
+        pos += n; last = targets[n - 1] where n > 0."""
+        after_previous(PDL)
+        rows = tl.arange(0, BW)
+        m = tl.load(prev_ptr)
+        targets = tl.load(prev_ptr + 1 + rows, mask=rows < W, other=-2)
+        stops = tl.load(stops_ptr + tl.arange(0, S))
+        hit = tl.max((targets[:, None] == stops[None, :]).to(tl.int32), axis=1) > 0
+        stop = hit & (rows <= m) & (rows < W)
+        first = tl.min(tl.where(stop, rows, BW), axis=0)
+        n = tl.where(first < BW, (first + 1).to(tl.int64), m + 1)
+        tl.store(n_ptr, n)
+        tl.store(pos_ptr, tl.load(pos_ptr) + n)
+        token = tl.sum(tl.where(rows == n - 1, targets, 0), axis=0)
+        tl.store(last_ptr, tl.where(n > 0, token, tl.load(last_ptr)))
+
+    @triton.jit
+    def _zero_rows(base, row_stride, R, n, W: tl.constexpr, cols):
+        """Rows n .. W-1 of one layer's [W, R] block (unit stride along R): columns `cols` set to zero."""
+        for r in range(n, W):
+            tl.store(base + r * row_stride + cols, tl.zeros(cols.shape, tl.float32), mask=cols < R)
+
+    @triton.jit
+    def _first_rows_kernel(n_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, window_ptr, conv_ptr, sk_l, sk_t, RK, sv_l, sv_t,
+                           RV, sg_l, sg_t, sb_l, sb_t, RG, sw_l, sw_c, sc_l, sc_c, C, W: tl.constexpr,
+                           K1: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (layer, part, column block): part 0-3 zero rows n.. of k, v, g, beta; part 4 copies the conv
+        window's columns n .. n + K1 - 1 into the conv state (nothing where n = 0: the state is kept)."""
+        after_previous(PDL)
+        layer = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
+        cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        n = tl.load(n_ptr)
+        if part == 0:
+            _zero_rows(k_ptr + layer * sk_l, sk_t, RK, n, W, cols)
+        elif part == 1:
+            _zero_rows(v_ptr + layer * sv_l, sv_t, RV, n, W, cols)
+        elif part == 2:
+            _zero_rows(g_ptr + layer * sg_l, sg_t, RG, n, W, cols)
+        elif part == 3:
+            _zero_rows(beta_ptr + layer * sb_l, sb_t, RG, n, W, cols)
+        elif n > 0:
+            src = window_ptr + layer * sw_l + cols * sw_c + n
+            dst = conv_ptr + layer * sc_l + cols * sc_c
+            for j in tl.static_range(K1):
+                tl.store(dst + j, tl.load(src + j, mask=cols < C), mask=cols < C)
+
+
+def settle(prev: torch.Tensor, stops: torch.Tensor, width: int, pos: torch.Tensor, last: torch.Tensor,
+           n: torch.Tensor) -> torch.Tensor:
+    """graphs.settle in one launch: n [] (written, and returned), pos [] and last [1, 1] updated in place from
+    prev [1 + width or more] (m, then the targets) and stops [S] (-1 padded; S a power of two)."""
+    _settle_kernel[(1,)](prev, stops, pos, last, n, W=width, BW=triton.next_power_of_2(width), S=stops.shape[0],
+                         num_warps=1, **pdl(prev))
+    return n
+
+
+def first_rows_(n: torch.Tensor, stash, width: int, conv: torch.Tensor) -> None:
+    """gdn.first_rows over the stash's first `width` rows, in place, and conv [L, C, K1] = gdn.window_at's window,
+    where n > 0, in one launch."""
+    k, v, g, beta, window = stash.k, stash.v, stash.g, stash.beta, stash.window
+    L, C, K1 = conv.shape
+    assert conv.stride(-1) == 1 and window.stride(-1) == 1  # (the buffers are allocated contiguous)
+    rk, rv, rg = k[0, 0].numel(), v[0, 0].numel(), g.shape[-1]
+    grid = (L, 5, triton.cdiv(max(rk, rv, C), BLOCK))
+    _first_rows_kernel[grid](n, k, v, g, beta, window, conv, k.stride(0), k.stride(1), rk, v.stride(0), v.stride(1),
+                             rv, g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), rg, window.stride(0),
+                             window.stride(1), conv.stride(0), conv.stride(1), C, W=width, K1=K1, BLOCK=BLOCK,
+                             num_warps=4, **pdl(conv))
+
+
+def why_not(device: torch.device) -> str | None:
+    """Why the commit keeps its torch form here (None: the kernels may run): cycle graphs are CUDA's alone."""
+    if importlib.util.find_spec("triton") is None or triton is None:
+        return "triton not installed"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "not CUDA"
+    return None
+
+
+def _self_check(device) -> bool:
+    """Both kernels against the torch forms (graphs.settle, gdn.keep_first's first_rows and window_at), over a
+    small stash of two layers: nothing pending, every draft accepted, a cut after an EOS, a rejection."""
+    from .gdn import VerifyStash, first_rows, window_at
+    from .graphs import STOPS, Ahead, settle as settle_torch
+
+    width, dims = 4, {"nk": 2, "dk": 8, "nv": 4, "dv": 8, "conv": 48, "kernel": 4}
+    gen = torch.Generator(device=device).manual_seed(0)
+    for m, targets, stop_ids in ((-1, [5, 6, 7, 8], ()), (3, [5, 6, 7, 8], (2,)), (3, [5, 2, 7, 8], (2, 9)),
+                                 (1, [5, 6, 7, 8], (6,)), (0, [9, 6, 7, 8], ())):
+        a, b = (Ahead(width, 8, torch.bfloat16, device) for _ in range(2))
+        for x in (a, b):
+            x.pos.fill_(40)
+            x.last.fill_(3)
+            x.prev[: 1 + width] = torch.tensor([m, *targets], device=device)
+            x.set_stops(frozenset(stop_ids))
+        want = settle_torch(a, width, None)
+        got = settle(b.prev, b.stops, width, b.pos, b.last, b.n)
+        if not (torch.equal(got, want) and torch.equal(a.pos, b.pos) and torch.equal(a.last, b.last)):
+            return False
+        stash = VerifyStash(2, width, dims, torch.bfloat16, device)
+        for t in (stash.k, stash.v, stash.g, stash.beta, stash.window):
+            t.copy_(torch.randn(t.shape, generator=gen, device=device))
+        conv = torch.randn(2, dims["conv"], dims["kernel"] - 1, generator=gen, device=device).to(torch.bfloat16)
+        keep = first_rows(want, width, stash.k, stash.v, stash.g, stash.beta)
+        conv_want = torch.where(want > 0, window_at(stash.window, want, conv.shape[-1]), conv)
+        first_rows_(got, stash, width, conv)
+        if not all(torch.equal(x, y) for x, y in zip(keep + (conv_want,), (stash.k, stash.v, stash.g, stash.beta,
+                                                                          conv))):
+            return False
+    assert STOPS == a.stops.shape[0]
+    return True
+
+
+def install(backends, device: torch.device) -> None:
+    """backends.commit = "triton" where the kernels may run and equal the torch forms at load (error 0; anything
+    else is inf); the reason in backends.choice["commit"] either way."""
+    why, _ = self_checked(why_not(torch.device(device)), "commit", "MTPCHAT_COMMIT",
+                          lambda: 0.0 if _self_check(device) else float("inf"))
+    if why is None:
+        backends.commit = "triton"
+        backends.choice["commit"] = ("triton", "the cycle graph's commit of the cycle before it in two Triton "
+                                               "kernels (self-check: equal to the torch form)")
+    else:
+        backends.choice["commit"] = ("torch", f"the cycle graph's commit as torch ops ({why})")

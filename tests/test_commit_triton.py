@@ -1,0 +1,138 @@
+"""The cycle graph's commit in two Triton kernels (engine/commit_triton.py) against its torch form (graphs.settle,
+gdn.keep_first's first_rows and window_at): the count of tokens kept, the position and last token, the stash's
+rows from n on made no-ops and the conv windows moved, then the recurrence over them; equal, not close, since the
+kernels only compare, select and copy. They run on CUDA with Triton, or on the CPU through Triton's interpreter
+under TRITON_INTERPRET=1; the compile for sm_90 runs without either."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from engine import commit_triton
+from engine.gdn import VerifyStash, keep_first
+from engine.graphs import STOPS, Ahead, settle
+from engine.kernels import Backends
+
+
+@pytest.fixture(scope="module")
+def device(triton_device):  # conftest.py: CUDA, or the interpreter on the CPU
+    return triton_device
+
+
+def pending(device, width: int, m: int, targets: list[int], stop_ids) -> Ahead:
+    a = Ahead(8, 16, torch.bfloat16, device)
+    a.pos.fill_(100)
+    a.last.fill_(7)
+    a.prev[: 1 + width] = torch.tensor([m, *targets], device=device)
+    a.set_stops(frozenset(stop_ids))
+    return a
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 5, 8])
+def test_settle_is_the_torch_form(device, width):
+    """Every m from nothing pending (-1) to all accepted, with no stop id, one in an accepted row, one in a
+    rejected row, two in accepted rows, and a full set of stop ids."""
+    rng = random.Random(width)
+    cuts = 0
+    for m, case in itertools.product(range(-1, width), range(5)):
+        targets = [rng.randrange(3, 50) for _ in range(width)]
+        accepted = targets[: m + 1] or [999]
+        stop_ids = [(), (rng.choice(accepted),), (targets[-1] if m < width - 1 else 998,),
+                    tuple(accepted[:2]), tuple(range(60, 60 + STOPS - 1)) + (accepted[-1],)][case]
+        want, got = pending(device, width, m, targets, stop_ids), pending(device, width, m, targets, stop_ids)
+        n_want = settle(want, width, None)
+        n_got = commit_triton.settle(got.prev, got.stops, width, got.pos, got.last, got.n)
+        assert n_got.dtype == n_want.dtype == torch.long
+        assert (n_got.item(), got.pos.item(), got.last.item()) == (n_want.item(), want.pos.item(), want.last.item())
+        cuts += 0 < n_want.item() < m + 1
+        if m == -1:
+            assert n_got.item() == 0 and got.pos.item() == 100 and got.last.item() == 7
+    assert cuts > 0 or width < 3  # (some cases cut the accepted run after an EOS)
+
+
+@pytest.mark.parametrize("width, stashed", [(4, 4), (5, 8)])
+def test_keep_first_with_the_kernel_is_the_torch_form(device, width, stashed):
+    """The whole commit (rows made no-ops, the recurrence, the conv window) at every n, over a stash as wide as
+    the commit and one wider; the rows' old values are large, so that one left in would show."""
+    from engine.cache import GDNState
+
+    dims = {"nk": 2, "dk": 16, "nv": 4, "dv": 16, "conv": 2 * 32 + 64, "kernel": 4}
+    torch_form, kernel = Backends(), Backends()
+    kernel.commit = "triton"
+    gen = torch.Generator(device=device).manual_seed(width)
+    for n in range(width + 1):
+        stash = VerifyStash(3, stashed, dims, torch.float32, device)
+        for t in (stash.q, stash.k, stash.v, stash.window):
+            t.copy_(torch.randn(t.shape, generator=gen, device=device))
+        stash.k.div_(stash.k.norm(dim=-1, keepdim=True))  # (the kernel's inputs after their L2 norm)
+        stash.q.div_(stash.q.norm(dim=-1, keepdim=True))
+        stash.g.copy_(-torch.rand(stash.g.shape, generator=gen, device=device))
+        stash.beta.copy_(torch.rand(stash.beta.shape, generator=gen, device=device))
+        states = []
+        for backends in (torch_form, kernel):
+            state = GDNState(3, dims["conv"], dims["kernel"], dims["nv"], dims["dk"], dims["dv"], torch.float32,
+                             device)
+            state.conv.copy_(torch.randn(state.conv.shape, generator=torch.Generator(device=device).manual_seed(1),
+                                         device=device))
+            state.recurrent.copy_(torch.randn(state.recurrent.shape,
+                                              generator=torch.Generator(device=device).manual_seed(2), device=device))
+            before = state.recurrent.clone()
+            keep_first(state, stash, torch.tensor(n, device=device), width, backends)
+            states.append((state.conv.clone(), state.recurrent.clone()))
+            assert torch.equal(state.recurrent, before) == (n == 0)
+        assert torch.equal(states[0][0], states[1][0]) and torch.equal(states[0][1], states[1][1])
+        if n < width:  # the kernel zeroed the rows from n on in place
+            assert not stash.beta[:, n:width].any() and not stash.v[:, n:width].any()
+
+
+def test_the_self_check_passes(device):
+    assert commit_triton._self_check(device)
+
+
+def test_the_torch_form_stays_without_cuda():
+    backends = Backends()
+    commit_triton.install(backends, torch.device("cpu"))
+    assert backends.commit == "torch" and backends.choice["commit"][0] == "torch"
+    assert "not CUDA" in backends.choice["commit"][1] or "triton not installed" in backends.choice["commit"][1]
+
+
+def test_the_kernels_compile_for_a_gpu():
+    """Triton's interpreter never type-checks or lowers a kernel as the compiler does (tests/triton_front.py)."""
+    pytest.importorskip("triton")
+    from triton_front import compile_for_gpu
+
+    compile_for_gpu("engine.commit_triton", "_settle_kernel",
+                    {"prev_ptr": "*i64", "stops_ptr": "*i64", "pos_ptr": "*i64", "last_ptr": "*i64", "n_ptr": "*i64"},
+                    {"W": 5, "BW": 8, "S": STOPS, "PDL": True}, num_warps=1)
+    types = {"n_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
+             "window_ptr": "*bf16", "conv_ptr": "*bf16"}
+    compile_for_gpu("engine.commit_triton", "_first_rows_kernel", types,
+                    {"W": 8, "K1": 3, "BLOCK": commit_triton.BLOCK, "PDL": True}, num_warps=4)
+
+
+def test_cycle_graphs_with_the_kernels_decode_exactly(device):
+    """The demo model's cycle graphs (on the CPU, graphs.Rerun's re-runs) committing with the kernels: greedy
+    depth 1 and 3 equal plain decoding, with drafts accepted and rejected and cycle graphs replayed, and cuts
+    after an EOS (a reply that ends mid-cycle)."""
+    from engine import load_engine
+    from test_exactness import decode
+    from test_graphs import DEMO
+
+    eager = load_engine(DEMO, device=str(device))
+    graphs = load_engine(DEMO, device=str(device), cuda_graphs=True)
+    graphs.trunk.backends.commit = "triton"
+    prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    plain = decode(eager, prompt, None, depth=0, max_new_tokens=40)[0]
+    for depth in (1, 3):
+        tokens, _, fin = decode(graphs, prompt, None, depth=depth, max_new_tokens=40)
+        assert tokens == plain
+        assert fin.stats["drafted"] > fin.stats["accepted"] > 0
+        cycles = graphs.diagnostics()["compile"]["cuda_graphs"]["cycle"]
+        assert cycles["failure"] is None and cycles["replays"][str(depth + 1)] > 2
+    # a stop id the reply reaches: the cycle graph after it cuts there, as plain decoding stops there
+    for at in (12, 25):
+        graphs.stop_ids = frozenset({plain[at]})
+        tokens, _, fin = decode(graphs, prompt, None, depth=3, max_new_tokens=40, ignore_eos=False)
+        assert tokens == plain[: plain.index(plain[at]) + 1] and fin.reason == "eos"
