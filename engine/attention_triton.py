@@ -74,15 +74,17 @@ if triton is not None:
         tl.store(ACC + at[:, None] * D + d[None, :], acc, mask=live[:, None])
 
     @triton.jit
-    def _merge(M, L, ACC, POS, OUT, R, T, SPLIT, S, BLOCK_S: tl.constexpr, D: tl.constexpr,
-               PDL: tl.constexpr = False):
+    def _merge(M, L, ACC, POS, OUT, GATE, stride_gt, stride_gh, H, R, T, SPLIT, S, BLOCK_S: tl.constexpr,
+               D: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False):
         """One program per (kv head, query row): the splits' running maxima, sums and outputs merged into the
-        row's attention output, written in q's dtype at [query head, token] (row (g, t) of kv head h is query
-        head h * R / T + g: the output [1, H, T, D] is [kv head, row] in order). Only the splits up to the last
-        query's position hold keys; those past it are not read."""
+        row's attention output, in q's dtype, times sigmoid(gate) where GATED (each rounded to that dtype, as
+        the torch form's sigmoid and product round), written at [token, query head] (row (g, t) of kv head h
+        is query head h * R / T + g): the layout o_proj reads. Only the splits up to the last query's position
+        hold keys; those past it are not read."""
         after_previous(PDL)
         at = tl.program_id(0)  # = h * R + row
         h, row = at // R, at % R
+        t, head = row % T, (at // R) * (R // T) + row // T
         live = tl.load(POS + T - 1) // SPLIT + 1
         offs = tl.arange(0, BLOCK_S)
         top = tl.full([BLOCK_S], NEG, tl.float32)
@@ -100,7 +102,12 @@ if triton is not None:
             den += w * tl.load(L + (h * S + s) * R + row, mask=inside, other=0.0)
             part = tl.load(ACC + ((h * S + s[:, None]) * R + row) * D + d[None, :], mask=inside[:, None], other=0.0)
             acc += tl.sum(part * w[:, None], 0)
-        tl.store(OUT + at * D + d, (acc / tl.sum(den, 0)).to(OUT.dtype.element_ty))
+        dt = OUT.dtype.element_ty
+        o = (acc / tl.sum(den, 0)).to(dt)
+        if GATED:
+            g = tl.load(GATE + t * stride_gt + head * stride_gh + d).to(tl.float32)
+            o = ((1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * o.to(tl.float32)).to(dt)
+        tl.store(OUT + (t * H + head) * D + d, o)
 
 
 def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -131,11 +138,13 @@ def plan(rows: int, n: int, head_dim: int) -> tuple[int, int, int]:
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-              scale: float, key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None
-              ) -> torch.Tensor:
+              scale: float, key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
+              gate: torch.Tensor | None = None) -> torch.Tensor:
     """q [1, H, T, D] over keys / values [1, Hkv, N, D] (the whole capacity); query t sees keys 0..positions[t]
-    (positions [T], on the device, increasing). Returns [1, H, T, D] in q's dtype. An fp8 cache: keys / values
-    are its e4m3 codes, key_scales / value_scales [1, Hkv, N] their scales."""
+    (positions [T], on the device, increasing). Returns [1, T, H, D] in q's dtype (o_proj's layout: no copy
+    before it), times sigmoid(gate) where gate [1, T, H, D] (any token and head strides) is given: the gated
+    attention's output gate, two launches fewer. An fp8 cache: keys / values are its e4m3 codes, key_scales /
+    value_scales [1, Hkv, N] their scales."""
     _, H, T, D = q.shape
     hkv, n = keys.shape[1], keys.shape[2]
     rows = (H // hkv) * T
@@ -146,36 +155,43 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positio
     m = torch.empty(hkv, splits, rows, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(hkv, splits, rows, D, device=q.device, dtype=torch.float32)
-    out = torch.empty(1, H, T, D, device=q.device, dtype=q.dtype)
+    out = torch.empty(1, T, H, D, device=q.device, dtype=q.dtype)
+    if gate is not None and gate.stride(-1) != 1:
+        gate = gate.contiguous()
     fp8 = key_scales is not None
     _splits[(hkv, splits, triton.cdiv(rows, block_r))](
         q, keys, values, key_scales if fp8 else m, value_scales if fp8 else m, positions, m, l, acc, rows, T,
         split, splits, q.stride(1), q.stride(2), keys.stride(1), key_scales.stride(1) if fp8 else 0, scale,
         BLOCK_R=block_r, BLOCK_N=block_n, D=D, FP8=fp8, num_warps=4, num_stages=STAGES, **pdl(q))
     # (splits past the filled length are skipped: theirs would weigh exp(NEG - max) = 0)
-    _merge[(hkv * rows,)](m, l, acc, positions, out, rows, T, split, splits, BLOCK_S=MERGE_SPLITS, D=D,
-                          num_warps=1 if D <= 64 else 2, **pdl(q))
+    gated = gate is not None
+    _merge[(hkv * rows,)](m, l, acc, positions, out, gate if gated else out, gate.stride(1) if gated else 0,
+                          gate.stride(2) if gated else 0, H, rows, T, split, splits, BLOCK_S=MERGE_SPLITS, D=D,
+                          GATED=gated, num_warps=1 if D <= 64 else 2, **pdl(q))
     return out
 
 
 @torch.library.custom_op("mtpchat::decode_attention", mutates_args=())
 def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                         scale: float, key_scales: torch.Tensor | None = None,
-                        value_scales: torch.Tensor | None = None) -> torch.Tensor:
+                        value_scales: torch.Tensor | None = None, gate: torch.Tensor | None = None
+                        ) -> torch.Tensor:
     """The compile boundary (torch.compile traces around it; CUDA graphs capture the launch)."""
-    return attention(q, keys, values, positions, scale, key_scales, value_scales)
+    return attention(q, keys, values, positions, scale, key_scales, value_scales, gate)
 
 
 @decode_attention_op.register_fake
-def _(q, keys, values, positions, scale, key_scales=None, value_scales=None):
-    return torch.empty_like(q)
+def _(q, keys, values, positions, scale, key_scales=None, value_scales=None, gate=None):
+    _, H, T, D = q.shape
+    return q.new_empty(1, T, H, D)
 
 
 def self_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                fp8: bool = False) -> float:
     """Relative error against masked_decode_attention on random inputs: a verify width at an offset inside a
-    capacity that is mostly empty (the case the kernel exists for). fp8: over an fp8 cache's codes and scales,
-    against the masked form over their dequantized values."""
+    capacity that is mostly empty (the case the kernel exists for), with and without the output gate (a strided
+    view, as q_proj's output gives it). fp8: over an fp8 cache's codes and scales, against the masked form over
+    their dequantized values."""
     from .cache import dequantize_kv, quantize_kv
     from .kernels import relative_error
     from .model import future_of, masked_decode_attention
@@ -185,13 +201,16 @@ def self_check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: i
     q = torch.randn(1, heads, T, head_dim, device=device, dtype=dtype, generator=g)
     k, v = (torch.randn(1, kv_heads, n, head_dim, device=device, dtype=dtype, generator=g) for _ in range(2))
     positions = torch.arange(300, 300 + T, device=device)
+    gate = torch.randn(1, T, heads, 2 * head_dim, device=device, dtype=dtype, generator=g)[..., head_dim:]
     future = future_of(positions, n)
     scale = head_dim ** -0.5
-    if not fp8:
-        return relative_error(attention(q, k, v, positions, scale), masked_decode_attention(q, k, v, future, scale))
-    (kc, ks), (vc, vs) = quantize_kv(k), quantize_kv(v)
-    ref = masked_decode_attention(q, dequantize_kv((kc, ks), dtype), dequantize_kv((vc, vs), dtype), future, scale)
-    return relative_error(attention(q, kc, vc, positions, scale, ks, vs), ref)
+    ks = vs = None
+    if fp8:
+        (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+    ref = masked_decode_attention(q, dequantize_kv((k, ks), dtype) if fp8 else k,
+                                  dequantize_kv((v, vs), dtype) if fp8 else v, future, scale).transpose(1, 2)
+    return max(relative_error(attention(q, k, v, positions, scale, ks, vs), ref),
+               relative_error(attention(q, k, v, positions, scale, ks, vs, gate), torch.sigmoid(gate) * ref))
 
 
 def timed_against_masked(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
@@ -200,7 +219,7 @@ def timed_against_masked(device: torch.device, dtype: torch.dtype, heads: int, k
     graphs, over a short cache: `capacity` positions, `filled` of them in use. The masked form reads the whole
     capacity, this kernel the filled length, so where it wins here it wins over every longer cache too. (On the
     27B shape the masked form won below about 37k positions; on a small model, whose calls are mostly their
-    launches, two launches against nine.)"""
+    launches, two launches against eleven with the output gate.)"""
     from .model import future_of, masked_decode_attention
     from .splitk import graph_ms
 
@@ -208,13 +227,15 @@ def timed_against_masked(device: torch.device, dtype: torch.dtype, heads: int, k
     k, v = (torch.randn(1, kv_heads, capacity, head_dim, device=device, dtype=dtype, generator=g) for _ in range(2))
     scale, kernel, masked = head_dim ** -0.5, 0.0, 0.0
     for T in (1, 4):
-        q = torch.randn(1, T, heads, head_dim, device=device, dtype=dtype, generator=g).transpose(1, 2)
+        qg = torch.randn(1, T, heads, 2 * head_dim, device=device, dtype=dtype, generator=g)
+        q, gate = qg[..., :head_dim].transpose(1, 2), qg[..., head_dim:]
         positions = torch.arange(filled, filled + T, device=device)
 
-        def the_masked():  # (as model.attention builds its mask: inside the graph, from the positions)
-            return masked_decode_attention(q, k, v, future_of(positions, capacity), scale)
+        def the_masked():  # (as model.attention builds its mask: inside the graph, from the positions; and gates)
+            return torch.sigmoid(gate) * masked_decode_attention(q, k, v, future_of(positions, capacity),
+                                                                 scale).transpose(1, 2)
 
-        kernel += graph_ms(lambda: attention(q, k, v, positions, scale))
+        kernel += graph_ms(lambda: attention(q, k, v, positions, scale, gate=gate))
         masked += graph_ms(the_masked)
     return kernel, masked
 

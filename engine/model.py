@@ -157,10 +157,11 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, 
             if isinstance(keys, tuple):  # (the codes' bytes as e4m3, and their scales)
                 (keys, ks), (values, vs) = keys, values
                 keys, values = keys.view(FP8), values.view(FP8)
-            o = torch.ops.mtpchat.decode_attention(q, keys, values, pos, attn.scaling, ks, vs)
-        else:
-            keys, values = dequantize_kv(keys, q.dtype), dequantize_kv(values, q.dtype)
-            o = masked_decode_attention(q, keys, values, future_of(pos, keys.shape[2]), attn.scaling)
+            # ([B, T, heads, D], gated by the kernel: o_proj's input as it is)
+            o = torch.ops.mtpchat.decode_attention(q, keys, values, pos, attn.scaling, ks, vs, gate)
+            return attn.o_proj(o.view(B, T, -1))
+        keys, values = dequantize_kv(keys, q.dtype), dequantize_kv(values, q.dtype)
+        o = masked_decode_attention(q, keys, values, future_of(pos, keys.shape[2]), attn.scaling)
     # [B, T, heads, D] from views, no copies: the gate first, so that the product takes its contiguous layout
     o = o.transpose(1, 2) if gate is None else torch.sigmoid(gate) * o.transpose(1, 2)
     return attn.o_proj(o.reshape(B, T, -1))

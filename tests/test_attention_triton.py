@@ -30,9 +30,15 @@ def test_split_k_attention_equals_the_masked_form(triton_device, heads, kv_heads
     positions = torch.arange(first, first + T, device=dev)
     future = torch.arange(capacity, device=dev)[None, :] > positions[:, None]
     out = attention_triton.attention(q, k, v, positions, head_dim ** -0.5)
-    ref = masked_decode_attention(q.float(), k.float().nan_to_num(), v.float().nan_to_num(), future, head_dim ** -0.5)
-    assert out.dtype == dtype and out.shape == q.shape
+    ref = masked_decode_attention(q.float(), k.float().nan_to_num(), v.float().nan_to_num(), future,
+                                  head_dim ** -0.5).transpose(1, 2)  # (the output comes as o_proj reads it)
+    assert out.dtype == dtype and out.shape == (1, T, heads, head_dim) and out.is_contiguous()
     assert (out.float() - ref).abs().max().item() < 2e-2
+    # with the gated attention's output gate: a strided view of q_proj's output, as model.attention passes it
+    gate = torch.randn(1, T, heads, 2 * head_dim, device=dev, dtype=dtype, generator=g)[..., head_dim:] * 3
+    gated = attention_triton.attention(q, k, v, positions, head_dim ** -0.5, gate=gate)
+    want = torch.sigmoid(gate) * out  # (the torch form: both rounded to the dtype, the product rounded)
+    assert gated.shape == out.shape and (gated.float() - want.float()).abs().max().item() <= 2 * 2 ** -7
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,T,capacity,first", [
@@ -60,8 +66,8 @@ def test_split_k_attention_over_an_fp8_cache_equals_the_masked_form_over_its_val
     future = torch.arange(capacity, device=dev)[None, :] > positions[:, None]
     out = attention_triton.attention(q, kc, vc, positions, head_dim ** -0.5, ks, vs)
     ref = masked_decode_attention(q.float(), dequantize_kv((kc, ks), torch.float32),
-                                  dequantize_kv((vc, vs), torch.float32), future, head_dim ** -0.5)
-    assert out.dtype == dtype and out.shape == q.shape
+                                  dequantize_kv((vc, vs), torch.float32), future, head_dim ** -0.5).transpose(1, 2)
+    assert out.dtype == dtype and out.shape == (1, T, heads, head_dim)
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
 
 
@@ -80,6 +86,31 @@ def test_the_kernel_compiles_for_a_gpu(fp8):
                     {"BLOCK_R": 32, "BLOCK_N": 64, "D": 256, "FP8": fp8, "PDL": True}, num_warps=4,
                     num_stages=attention_triton.STAGES)
     if not fp8:  # (the merge reads float32 partials whatever the cache holds)
-        merge = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "POS": "*i64", "OUT": "*bf16"}
-        compile_for_gpu("engine.attention_triton", "_merge", merge,
-                        {"BLOCK_S": attention_triton.MERGE_SPLITS, "D": 256, "PDL": True}, num_warps=2)
+        merge = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "POS": "*i64", "OUT": "*bf16", "GATE": "*bf16"}
+        for gated in (False, True):
+            compile_for_gpu("engine.attention_triton", "_merge", merge,
+                            {"BLOCK_S": attention_triton.MERGE_SPLITS, "D": 256, "GATED": gated, "PDL": True},
+                            num_warps=2)
+
+
+def test_graph_passes_with_the_kernel_decode_as_eager(triton_device, monkeypatch):
+    """model.attention's graph-mode branch with the kernel (its output gated and laid out as o_proj reads it):
+    the demo model's graph passes (on the CPU, graphs.Rerun's re-runs in float32) give eager plain decoding's
+    tokens, plain and at depth 3 with drafts accepted and rejected."""
+    from engine import load_engine
+    from test_exactness import decode
+    from test_graphs import DEMO
+
+    eager = load_engine(DEMO, device=str(triton_device))
+    graphs = load_engine(DEMO, device=str(triton_device), cuda_graphs=True)
+    graphs.trunk.backends.decode_attention = "triton"
+    prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    plain = decode(eager, prompt, None, depth=0, max_new_tokens=32)[0]
+    calls, real = [], torch.ops.mtpchat.decode_attention
+    monkeypatch.setattr(torch.ops.mtpchat, "decode_attention", lambda *a: calls.append(a[-1] is not None) or real(*a))
+    for depth in (0, 3):
+        tokens, _, fin = decode(graphs, prompt, None, depth=depth, max_new_tokens=32)
+        assert tokens == plain
+        if depth:
+            assert fin.stats["drafted"] > fin.stats["accepted"] > 0
+    assert calls and all(calls)  # the kernel ran, with the output gate

@@ -148,7 +148,7 @@ def decode_attention(cfg, lengths=(2048, 32768, 131072), T=4):
             positions = N - T + torch.arange(T, device="cuda")
             tri = timed(lambda: attention(q, k, v, positions, 0.06), 20)
             err = (attention(q, k, v, positions, 0.06).float()
-                   - masked_decode_attention(q, k, v, future, 0.06).float()).abs().max().item()
+                   - masked_decode_attention(q, k, v, future, 0.06).transpose(1, 2).float()).abs().max().item()
             half = timed(lambda: attention(q, k, v, positions - N // 2, 0.06), 20)  # half the capacity filled
             rows[-1].update(triton_ms=tri, triton_kv_gb_s=2 * k.numel() * 2 / tri / 1e6, triton_err=err,
                             triton_half_filled_ms=half)
