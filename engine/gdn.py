@@ -288,11 +288,11 @@ def keep_first(state: GDNState, stash: VerifyStash, n: torch.Tensor, width: int,
     """keep_rows with n on the device (a tensor [], 0 <= n <= width; 0 keeps the state as it is), for a graph that
     commits without the host (graphs.GraphRunner.cycle): the recurrence replayed over the first `width` stashed
     rows, those from n on made no-ops (g = 0: no decay; beta = k = v = 0: nothing added, exactly, whatever the
-    rows held), and the conv window that ends at token n. backends.commit == "triton": the rows zeroed and the
-    window moved in place by one launch (commit_triton.first_rows_; the graph's verify rewrites the stash after)."""
+    rows held), and the conv window that ends at token n. backends.cycle == "triton": the rows zeroed and the
+    window moved in place by one launch (cycle_triton.first_rows_; the graph's verify rewrites the stash after)."""
     rows = tuple(t[:, :width] for t in (stash.k, stash.v, stash.g, stash.beta))
-    if backends.commit == "triton":
-        from .commit_triton import first_rows_
+    if backends.cycle == "triton":
+        from .cycle_triton import first_rows_
 
         first_rows_(n, stash, width, state.conv)
     else:

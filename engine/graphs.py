@@ -258,9 +258,9 @@ def settle(a: Ahead, width: int, backends) -> torch.Tensor:
     """The count n (a tensor [] on the device) of the pending cycle's tokens to commit: its accepted drafts and
     bonus token, cut after an EOS as speculative.finish cuts; 0 when nothing is pending (a.prev[0] = -1). Moves
     a.pos past them and sets a.last to the last of them. Reads nothing on the host (a cycle graph's prelude).
-    backends.commit == "triton": one launch (commit_triton.settle), the same values."""
-    if backends is not None and backends.commit == "triton":
-        from .commit_triton import settle as settle_kernel
+    backends.cycle == "triton": one launch (cycle_triton.settle), the same values."""
+    if backends is not None and backends.cycle == "triton":
+        from .cycle_triton import settle as settle_kernel
 
         return settle_kernel(a.prev, a.stops, width, a.pos, a.last, a.n)
     m, targets = a.prev[0], a.prev[1 : 1 + width]
@@ -370,7 +370,12 @@ class GraphRunner:
         rope = trunk.rope(pos, T)
         hidden = trunk.forward(tokens, pos, caches, verify=True, rope=rope)
         logits = trunk.logits(hidden[0])
-        packed = accept_greedy(logits, tokens)
+        if trunk.backends.cycle == "triton":
+            from .cycle_triton import accept
+
+            packed = accept(logits.argmax(-1), tokens)
+        else:
+            packed = accept_greedy(logits, tokens)
         if drafter is None:
             return hidden, logits, packed
         if split is not None:

@@ -275,7 +275,7 @@ class Backends:
     kv_cache: str = "auto"  # the attention KV cache's storage: "auto" (the model's dtype) or "fp8" (cache.py)
     short_conv: str = "torch"  # GDN's short conv and gates at decode / verify widths: "torch" or "triton" (conv_triton)
     rope: str = "torch"  # the rotary embedding's table and rotation: "torch" or "triton" (rope_triton)
-    commit: str = "torch"  # the cycle graph's commit of the cycle before it: "torch" or "triton" (commit_triton)
+    cycle: str = "torch"  # the cycle graphs' bookkeeping (commit, acceptance): "torch" or "triton" (cycle_triton)
     choice: dict[str, tuple[str, str]] = field(default_factory=dict)  # op -> (backend, reason)
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams
 
-from . import commit_triton, conv_triton, fp8, gdn, int4, rope_triton, swiglu_triton
+from . import cycle_triton, conv_triton, fp8, gdn, int4, rope_triton, swiglu_triton
 from .cache import FP8, KVCache, GDNState, dequantize_kv, kv_write, kv_write_at
 from .checkpoint import TensorFiles, model_dir, read_json
 from .context import kv_cache_dtype
@@ -488,7 +488,7 @@ class Trunk:
         conv_triton.install(self.backends, self.layers, self.device, self.dtype)
         rope_triton.install(self.backends, self.rotary, self.config, self.device, self.dtype)
         swiglu_triton.install(self.backends, self.lm.modules(), self.device, self.dtype)
-        commit_triton.install(self.backends, self.device)
+        cycle_triton.install(self.backends, self.device)
         choose_moe(self)
         choose_norm(self.backends, self.lm.modules(), self.device, self.dtype)
         choose_fp8(self.backends, self.lm.modules(), self.device, self.dtype)

@@ -1,15 +1,17 @@
-"""The cycle graph's commit of the cycle before it (graphs.GraphRunner.cycle) in two Triton launches instead of
-about thirty torch ops, each a graph node of ~2 us on a small model (the demo's depth-3 cycle held ~300):
+"""The cycle graphs' bookkeeping (graphs.GraphRunner.cycle, .verified) in three Triton launches instead of about
+thirty-five torch ops, each a graph node of ~2 us on a small model (the demo's depth-3 cycle held ~300):
 
 - `settle`: from the pending acceptance [m, targets] and the stop ids, the count n of tokens to keep (cut after an
   EOS, as speculative.finish cuts), the committed position moved by n and the last committed token updated
   (graphs.settle's torch form: arange, comparisons, any, argmax, where, index_select, copies);
 - `first_rows_`: the verify stash's rows from n on made no-ops in place (gdn.first_rows' g = beta = k = v = 0)
   and each GDN layer's conv window moved to the one ending at token n (gdn.window_at), for all layers at once;
-  the recurrence over the stash is then FLA's one launch, as before (gdn.keep_first).
+  the recurrence over the stash is then FLA's one launch, as before (gdn.keep_first);
+- `accept`: greedy acceptance packed from the target's argmax (sampling.accept_greedy's comparison, cast,
+  cumprod, sum and cat).
 
-Both only compare, select and copy: they equal the torch forms exactly, which the self-check at load asserts.
-Zeroing in place is safe because the graph's verify pass writes the stash again before anything reads it.
+They only compare, select and copy: they equal the torch forms exactly, which the self-check at load asserts.
+Zeroing the stash in place is safe because the graph's verify pass writes it again before anything reads it.
 """
 
 from __future__ import annotations
@@ -84,6 +86,30 @@ if triton is not None:
                 tl.store(dst + j, tl.load(src + j, mask=cols < C), mask=cols < C)
 
 
+    @triton.jit
+    def _accept_kernel(targets_ptr, tokens_ptr, out_ptr, T: tl.constexpr, BT: tl.constexpr,
+                       PDL: tl.constexpr = False):
+        """out = [m, targets (T), drafts (T - 1)]: m = the drafts (tokens 1..T-1) equal to the targets before the
+        first that is not."""
+        after_previous(PDL)
+        i = tl.arange(0, BT)
+        targets = tl.load(targets_ptr + i, mask=i < T, other=-1)
+        drafts = tl.load(tokens_ptr + 1 + i, mask=i < T - 1, other=-1)
+        m = tl.min(tl.where((targets != drafts) | (i >= T - 1), i, T - 1), axis=0).to(tl.int64)
+        tl.store(out_ptr, m)
+        tl.store(out_ptr + 1 + i, targets, mask=i < T)
+        tl.store(out_ptr + 1 + T + i, drafts, mask=i < T - 1)
+
+
+def accept(targets: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """sampling.accept_greedy in one launch, from the target's argmax targets [T] (long) and the verified tokens
+    [1, T] (t_n, then the T - 1 drafts; contiguous): [m, targets, drafts] [2T] (long)."""
+    T = targets.shape[0]
+    out = torch.empty(2 * T, dtype=torch.long, device=targets.device)
+    _accept_kernel[(1,)](targets, tokens, out, T=T, BT=triton.next_power_of_2(T), num_warps=1, **pdl(out))
+    return out
+
+
 def settle(prev: torch.Tensor, stops: torch.Tensor, width: int, pos: torch.Tensor, last: torch.Tensor,
            n: torch.Tensor) -> torch.Tensor:
     """graphs.settle in one launch: n [] (written, and returned), pos [] and last [1, 1] updated in place from
@@ -108,7 +134,7 @@ def first_rows_(n: torch.Tensor, stash, width: int, conv: torch.Tensor) -> None:
 
 
 def why_not(device: torch.device) -> str | None:
-    """Why the commit keeps its torch form here (None: the kernels may run): cycle graphs are CUDA's alone."""
+    """Why the bookkeeping keeps its torch form here (None: the kernels may run): graphs are CUDA's alone."""
     if importlib.util.find_spec("triton") is None or triton is None:
         return "triton not installed"
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -117,10 +143,12 @@ def why_not(device: torch.device) -> str | None:
 
 
 def _self_check(device) -> bool:
-    """Both kernels against the torch forms (graphs.settle, gdn.keep_first's first_rows and window_at), over a
-    small stash of two layers: nothing pending, every draft accepted, a cut after an EOS, a rejection."""
+    """The kernels against the torch forms (graphs.settle, gdn.keep_first's first_rows and window_at,
+    sampling.accept_greedy), over a small stash of two layers: nothing pending, every draft accepted, a cut after
+    an EOS, a rejection; acceptance of none, some and all drafts."""
     from .gdn import VerifyStash, first_rows, window_at
     from .graphs import STOPS, Ahead, settle as settle_torch
+    from .sampling import accept_greedy
 
     width, dims = 4, {"nk": 2, "dk": 8, "nv": 4, "dv": 8, "conv": 48, "kernel": 4}
     gen = torch.Generator(device=device).manual_seed(0)
@@ -146,18 +174,24 @@ def _self_check(device) -> bool:
         if not all(torch.equal(x, y) for x, y in zip(keep + (conv_want,), (stash.k, stash.v, stash.g, stash.beta,
                                                                           conv))):
             return False
+    for T, drafts in ((1, []), (2, [4]), (4, [5, 6, 1]), (5, [5, 6, 7, 8])):
+        targets = torch.tensor([5, 6, 7, 8, 9][:T], device=device)
+        tokens = torch.tensor([[3, *drafts]], device=device)
+        if not torch.equal(accept(targets, tokens), accept_greedy(torch.nn.functional.one_hot(targets, 10).float(),
+                                                                  tokens)):
+            return False
     assert STOPS == a.stops.shape[0]
     return True
 
 
 def install(backends, device: torch.device) -> None:
-    """backends.commit = "triton" where the kernels may run and equal the torch forms at load (error 0; anything
-    else is inf); the reason in backends.choice["commit"] either way."""
-    why, _ = self_checked(why_not(torch.device(device)), "commit", "MTPCHAT_COMMIT",
+    """backends.cycle = "triton" where the kernels may run and equal the torch forms at load (error 0; anything
+    else is inf); the reason in backends.choice["cycle"] either way."""
+    why, _ = self_checked(why_not(torch.device(device)), "cycle", "MTPCHAT_CYCLE_KERNELS",
                           lambda: 0.0 if _self_check(device) else float("inf"))
     if why is None:
-        backends.commit = "triton"
-        backends.choice["commit"] = ("triton", "the cycle graph's commit of the cycle before it in two Triton "
-                                               "kernels (self-check: equal to the torch form)")
+        backends.cycle = "triton"
+        backends.choice["cycle"] = ("triton", "graphs' greedy acceptance and cycle graphs' commit of the cycle "
+                                              "before them in Triton kernels (self-check: equal to the torch form)")
     else:
-        backends.choice["commit"] = ("torch", f"the cycle graph's commit as torch ops ({why})")
+        backends.choice["cycle"] = ("torch", f"graphs' acceptance and commit as torch ops ({why})")

@@ -1,7 +1,7 @@
-"""The cycle graph's commit in two Triton kernels (engine/commit_triton.py) against its torch form (graphs.settle,
-gdn.keep_first's first_rows and window_at): the count of tokens kept, the position and last token, the stash's
-rows from n on made no-ops and the conv windows moved, then the recurrence over them; equal, not close, since the
-kernels only compare, select and copy. They run on CUDA with Triton, or on the CPU through Triton's interpreter
+"""The cycle graphs' bookkeeping in Triton kernels (engine/cycle_triton.py) against its torch form (graphs.settle,
+gdn.keep_first's first_rows and window_at, sampling.accept_greedy): the count of tokens kept, the position and
+last token, the stash's rows from n on made no-ops and the conv windows moved, then the recurrence over them; the
+packed greedy acceptance; equal, not close, since the kernels only compare, select and copy. They run on CUDA with Triton, or on the CPU through Triton's interpreter
 under TRITON_INTERPRET=1; the compile for sm_90 runs without either."""
 
 import itertools
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from engine import commit_triton
+from engine import cycle_triton
 from engine.gdn import VerifyStash, keep_first
 from engine.graphs import STOPS, Ahead, settle
 from engine.kernels import Backends
@@ -43,7 +43,7 @@ def test_settle_is_the_torch_form(device, width):
                     tuple(accepted[:2]), tuple(range(60, 60 + STOPS - 1)) + (accepted[-1],)][case]
         want, got = pending(device, width, m, targets, stop_ids), pending(device, width, m, targets, stop_ids)
         n_want = settle(want, width, None)
-        n_got = commit_triton.settle(got.prev, got.stops, width, got.pos, got.last, got.n)
+        n_got = cycle_triton.settle(got.prev, got.stops, width, got.pos, got.last, got.n)
         assert n_got.dtype == n_want.dtype == torch.long
         assert (n_got.item(), got.pos.item(), got.last.item()) == (n_want.item(), want.pos.item(), want.last.item())
         cuts += 0 < n_want.item() < m + 1
@@ -60,7 +60,7 @@ def test_keep_first_with_the_kernel_is_the_torch_form(device, width, stashed):
 
     dims = {"nk": 2, "dk": 16, "nv": 4, "dv": 16, "conv": 2 * 32 + 64, "kernel": 4}
     torch_form, kernel = Backends(), Backends()
-    kernel.commit = "triton"
+    kernel.cycle = "triton"
     gen = torch.Generator(device=device).manual_seed(width)
     for n in range(width + 1):
         stash = VerifyStash(3, stashed, dims, torch.float32, device)
@@ -87,15 +87,34 @@ def test_keep_first_with_the_kernel_is_the_torch_form(device, width, stashed):
             assert not stash.beta[:, n:width].any() and not stash.v[:, n:width].any()
 
 
+@pytest.mark.parametrize("T", [1, 2, 4, 5, 8])
+def test_accept_is_the_torch_form(device, T):
+    """Every count of accepted drafts, 0 to all, and drafts equal to a later target (only the prefix counts)."""
+    from engine.sampling import accept_greedy
+
+    gen = torch.Generator(device=device).manual_seed(T)
+    for m in range(T):
+        logits = torch.randn(T, 300, generator=gen, device=device)
+        targets = logits.argmax(-1)
+        drafts = targets[: T - 1].clone()
+        if m < T - 1:
+            drafts[m] = (drafts[m] + 1) % 300  # the first rejection
+            drafts[m + 1 :] = targets[m + 1 : T - 1]  # (later drafts that match count for nothing)
+        tokens = torch.cat([torch.tensor([7], device=device), drafts]).view(1, T)
+        want = accept_greedy(logits, tokens)
+        got = cycle_triton.accept(targets, tokens)
+        assert got.dtype == want.dtype == torch.long and torch.equal(got, want) and got[0].item() == min(m, T - 1)
+
+
 def test_the_self_check_passes(device):
-    assert commit_triton._self_check(device)
+    assert cycle_triton._self_check(device)
 
 
 def test_the_torch_form_stays_without_cuda():
     backends = Backends()
-    commit_triton.install(backends, torch.device("cpu"))
-    assert backends.commit == "torch" and backends.choice["commit"][0] == "torch"
-    assert "not CUDA" in backends.choice["commit"][1] or "triton not installed" in backends.choice["commit"][1]
+    cycle_triton.install(backends, torch.device("cpu"))
+    assert backends.cycle == "torch" and backends.choice["cycle"][0] == "torch"
+    assert "not CUDA" in backends.choice["cycle"][1] or "triton not installed" in backends.choice["cycle"][1]
 
 
 def test_the_kernels_compile_for_a_gpu():
@@ -103,17 +122,20 @@ def test_the_kernels_compile_for_a_gpu():
     pytest.importorskip("triton")
     from triton_front import compile_for_gpu
 
-    compile_for_gpu("engine.commit_triton", "_settle_kernel",
+    compile_for_gpu("engine.cycle_triton", "_accept_kernel", {"targets_ptr": "*i64", "tokens_ptr": "*i64",
+                                                              "out_ptr": "*i64"}, {"T": 5, "BT": 8, "PDL": True},
+                    num_warps=1)
+    compile_for_gpu("engine.cycle_triton", "_settle_kernel",
                     {"prev_ptr": "*i64", "stops_ptr": "*i64", "pos_ptr": "*i64", "last_ptr": "*i64", "n_ptr": "*i64"},
                     {"W": 5, "BW": 8, "S": STOPS, "PDL": True}, num_warps=1)
     types = {"n_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
              "window_ptr": "*bf16", "conv_ptr": "*bf16"}
-    compile_for_gpu("engine.commit_triton", "_first_rows_kernel", types,
-                    {"W": 8, "K1": 3, "BLOCK": commit_triton.BLOCK, "PDL": True}, num_warps=4)
+    compile_for_gpu("engine.cycle_triton", "_first_rows_kernel", types,
+                    {"W": 8, "K1": 3, "BLOCK": cycle_triton.BLOCK, "PDL": True}, num_warps=4)
 
 
 def test_cycle_graphs_with_the_kernels_decode_exactly(device):
-    """The demo model's cycle graphs (on the CPU, graphs.Rerun's re-runs) committing with the kernels: greedy
+    """The demo model's cycle graphs (on the CPU, graphs.Rerun's re-runs) with the kernels' commit and acceptance: greedy
     depth 1 and 3 equal plain decoding, with drafts accepted and rejected and cycle graphs replayed, and cuts
     after an EOS (a reply that ends mid-cycle)."""
     from engine import load_engine
@@ -122,7 +144,7 @@ def test_cycle_graphs_with_the_kernels_decode_exactly(device):
 
     eager = load_engine(DEMO, device=str(device))
     graphs = load_engine(DEMO, device=str(device), cuda_graphs=True)
-    graphs.trunk.backends.commit = "triton"
+    graphs.trunk.backends.cycle = "triton"
     prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     plain = decode(eager, prompt, None, depth=0, max_new_tokens=40)[0]
     for depth in (1, 3):
