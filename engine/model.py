@@ -140,7 +140,13 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, 
     q = attn.q_norm(q).transpose(1, 2)
     k = attn.k_norm(k.reshape(B, T, -1, hd)).transpose(1, 2)
     v = v.reshape(B, T, -1, hd).transpose(1, 2)
-    q, k = apply_rope(q, k, cos, sin, fused=rope == "triton")
+    stored = (not isinstance(pos, int) and rope == "triton" and values is not None
+              and rope_triton.storable(q, k, v, cos, keys, values))
+    if stored:  # graph mode over a 16-bit cache: keys rotated and values copied straight into it, one launch
+        q = rope_triton.rotate_and_store(q, k, v, cos, sin, keys, values, pos)
+        keys, values = keys.unsqueeze(0), values.unsqueeze(0)
+    else:
+        q, k = apply_rope(q, k, cos, sin, fused=rope == "triton")
     if values is None:  # a sliding-window layer: `keys` is its ring (rotating_cache.RingLayer); in graph mode over
         # the masked form, as full attention's below (a few queries: SDPA's fused kernels cost like a prefill)
         o = keys.attend(q, k, v, attn.scaling, None if isinstance(pos, int) else masked_decode_attention)
@@ -148,7 +154,8 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, 
         keys, values = kv_write(keys, values, pos, k, v)
         o = causal_attention(q, keys, values, pos, attn.scaling)
     else:  # CUDA-graph capture: the position lives on the device, shapes are the cache's whole capacity
-        keys, values = kv_write_at(keys, values, pos, k, v)  # (pos: the positions [T]; fp8: (codes, scales))
+        if not stored:
+            keys, values = kv_write_at(keys, values, pos, k, v)  # (pos: the positions [T]; fp8: (codes, scales))
         fp8 = isinstance(keys, tuple)
         if kernel_serves(path, (keys[0] if fp8 else keys).shape[2], fp8):
             # the filled length only (attention_triton); an fp8 cache at every capacity: its codes are converted

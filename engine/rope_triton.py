@@ -57,18 +57,23 @@ if triton is not None:
 
     @triton.jit
     def _rotate_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, out_ptr, sq_h, sq_t, sk_h, sk_t, T, HQ,
-                       D: tl.constexpr, RD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        """One head row (head h of q, then of k, at token t) of out [HQ + HK, T, D]: its first RD dims rotated,
-        the rest copied."""
+                       v_ptr, sv_h, sv_t, kc_ptr, vc_ptr, sc_h, sc_n, pos_ptr, HK,
+                       D: tl.constexpr, RD: tl.constexpr, BLOCK: tl.constexpr, STORE: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
+        """One head row (head h of q, then of k, then with STORE of v, at token t): its first RD dims rotated
+        (v's none), the rest copied; into out [HQ + HK, T, D], or with STORE k's and v's rows into one layer's
+        key / value cache [HK, N, D] at position pos_ptr[t]."""
         after_previous(PDL)
         row = tl.program_id(0)
         h, t = row // T, row % T
         if h < HQ:
             src = q_ptr + h * sq_h + t * sq_t
-        else:
+        elif h < HQ + HK:
             src = k_ptr + (h - HQ) * sk_h + t * sk_t
+        else:
+            src = v_ptr + (h - HQ - HK) * sv_h + t * sv_t
         d = tl.arange(0, BLOCK)
-        rot = d < RD
+        rot = (d < RD) & (h < HQ + HK)
         x = tl.load(src + d, mask=d < D, other=0.0)
         partner = tl.where(d < RD // 2, d + RD // 2, d - RD // 2)  # roll(x, RD / 2) over the rotary dims
         xr = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
@@ -76,7 +81,14 @@ if triton is not None:
         s = tl.load(sin_ptr + t * RD + d, mask=rot, other=0.0).to(tl.float32)
         dt = out_ptr.dtype.element_ty
         y = ((x.to(tl.float32) * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
-        tl.store(out_ptr + row * D + d, tl.where(rot, y, x), mask=d < D)
+        dst = out_ptr + row * D
+        if STORE:
+            at = tl.load(pos_ptr + t) * sc_n
+            if h >= HQ + HK:
+                dst = vc_ptr + (h - HQ - HK) * sc_h + at
+            elif h >= HQ:
+                dst = kc_ptr + (h - HQ) * sc_h + at
+        tl.store(dst + d, tl.where(rot, y, x), mask=d < D)
 
 
 def table(rotary, pos, T: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,9 +111,24 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     hk, rd = k.shape[1], cos.shape[-1]
     out = torch.empty(1, hq + hk, T, D, device=q.device, dtype=q.dtype)
     _rotate_kernel[((hq + hk) * T,)](q, k, cos, sin, out, q.stride(1), q.stride(2), k.stride(1), k.stride(2), T, hq,
-                                     D=D, RD=rd, BLOCK=triton.next_power_of_2(D), num_warps=1,
-                                     enable_fp_fusion=False, **pdl(q))  # (no FMA: each product rounds, as torch's)
-    return out[:, :hq], out[:, hq:]
+                                     q, 0, 0, out, out, 0, 0, cos, hk, D=D, RD=rd, BLOCK=triton.next_power_of_2(D),
+                                     num_warps=1, enable_fp_fusion=False, **pdl(q))  # (no FMA: each product
+    return out[:, :hq], out[:, hq:]  # rounds, as torch's)
+
+
+def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """rotate() with the rotated keys and the values [1, HK, T, D] written straight into one layer's cache keys /
+    values [HK, N, D] at positions [T] (graph mode's cache.kv_write_at: two index_puts fewer, one launch in all);
+    returns the rotated queries [1, HQ, T, D]."""
+    _, hq, T, D = q.shape
+    hk, rd = k.shape[1], cos.shape[-1]
+    out = torch.empty(1, hq, T, D, device=q.device, dtype=q.dtype)
+    _rotate_kernel[((hq + 2 * hk) * T,)](q, k, cos, sin, out, q.stride(1), q.stride(2), k.stride(1), k.stride(2), T,
+                                         hq, v, v.stride(1), v.stride(2), keys, values, keys.stride(0),
+                                         keys.stride(1), positions, hk, D=D, RD=rd, BLOCK=triton.next_power_of_2(D),
+                                         STORE=True, num_warps=1, enable_fp_fusion=False, **pdl(q))
+    return out
 
 
 def rotatable(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -111,9 +138,18 @@ def rotatable(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def storable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, keys, values) -> bool:
+    """Whether rotate_and_store() takes these: rotate()'s layouts, v with unit stride along D, and a 16-bit cache
+    of q's dtype laid out as cache.KVCache's layer views (an fp8 cache's (codes, scales) quantizes: no)."""
+    return (rotatable(q, k, cos) and v.stride(-1) == 1 and isinstance(keys, torch.Tensor)
+            and isinstance(values, torch.Tensor) and keys.dtype == values.dtype == q.dtype
+            and keys.stride() == values.stride() and keys.stride(-1) == 1)
+
+
 def _self_check(rotary, heads: tuple[int, int], head_dim: int, device, dtype) -> float:
-    """Both kernels against the torch form (model.Rotary, model.apply_rope) at one token and at four, at positions
-    near 0 and far out (device positions and an int start), with strided queries as attention makes them."""
+    """Both kernels against the torch form (model.Rotary, model.apply_rope; the cache write's index_put) at one
+    token and at four, at positions near 0 and far out (device positions and an int start), with strided queries
+    as attention makes them."""
     from .model import apply_rope
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -130,6 +166,15 @@ def _self_check(rotary, heads: tuple[int, int], head_dim: int, device, dtype) ->
         k = torch.randn(1, T, hk, head_dim, generator=gen, device=device).to(dtype).transpose(1, 2)
         for got, ref in zip(rotate(q, k, ref_cos, ref_sin), apply_rope(q, k, ref_cos, ref_sin)):
             worst = max(worst, relative_error(got, ref))
+        # rotate_and_store: into a cache of 16 positions (where rotate() wrote its rows, and nothing else)
+        v = torch.randn(1, T, hk, head_dim, generator=gen, device=device).to(dtype).transpose(1, 2)
+        keys, values = (torch.zeros(hk, 16, head_dim, device=device, dtype=dtype) for _ in range(2))
+        at = torch.arange(16 - T, 16, device=device)
+        q_got = rotate_and_store(q, k, v, ref_cos, ref_sin, keys, values, at)
+        q_ref, k_ref = apply_rope(q, k, ref_cos, ref_sin)
+        want_k, want_v = torch.zeros_like(keys), torch.zeros_like(values)
+        want_k[:, at], want_v[:, at] = k_ref[0], v[0]
+        worst = max(worst, relative_error(q_got, q_ref), relative_error(keys, want_k), relative_error(values, want_v))
     return worst
 
 

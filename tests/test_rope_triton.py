@@ -77,6 +77,30 @@ def test_the_rotation_is_apply_ropes(device, dtype, factor, T):
     assert not rope_triton.rotatable(q.expand(2, -1, -1, -1), k, cos)  # (batch 2: the torch form)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4])
+def test_rotate_and_store_is_the_rotation_and_the_cache_writes(device, dtype, T):
+    """Graph mode's one launch: the queries as rotate() gives them, the rotated keys and the values in one layer's
+    cache at the positions (as cache.kv_write_at's index_put puts them), every other position untouched."""
+    from engine.cache import kv_write_at
+
+    rot, _ = rotary(device)
+    gen = torch.Generator(device=device).manual_seed(T)
+    positions = torch.arange(37, 37 + T, device=device)
+    cos, sin = rot(positions.unsqueeze(0), dtype)
+    qg = (torch.randn(1, T, 6, 128, generator=gen, device=device) * 3).to(dtype)
+    q = qg[..., :64].transpose(1, 2)
+    k, v = ((torch.randn(1, T, 2, 64, generator=gen, device=device) * 3).to(dtype).transpose(1, 2) for _ in range(2))
+    keys, values = (torch.randn(2, 64, 64, generator=gen, device=device).to(dtype) for _ in range(2))
+    want_keys, want_values = keys.clone(), values.clone()
+    assert rope_triton.storable(q, k, v, cos, keys, values)
+    q_got = rope_triton.rotate_and_store(q, k, v, cos, sin, keys, values, positions)
+    q_want, k_want = rope_triton.rotate(q, k, cos, sin)
+    kv_write_at(want_keys, want_values, positions, k_want, v)
+    assert torch.equal(q_got, q_want) and torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    assert not rope_triton.storable(q, k, v, cos, (keys, keys[..., 0]), values)  # (an fp8 cache: the torch form)
+
+
 def test_install_keeps_the_torch_form_off_cuda_in_float32_and_when_asked(device, monkeypatch):
     from engine.kernels import Backends
 
@@ -105,7 +129,7 @@ def test_the_engine_decodes_exactly_with_the_kernels(name, ckpt, device, monkeyp
     from engine import load_engine
 
     monkeypatch.setattr(rope_triton, "supported", lambda device, dtype: None)
-    calls = {"table": 0, "rotate": 0}
+    calls = {"table": 0, "rotate": 0, "rotate_and_store": 0}
 
     def counted(name):
         run = getattr(rope_triton, name)
@@ -120,7 +144,7 @@ def test_the_engine_decodes_exactly_with_the_kernels(name, ckpt, device, monkeyp
     engine = load_engine(str(ckpt(name)), device=str(device), dtype="float32", cuda_graphs=True)
     assert engine.trunk.backends.rope == "triton", engine.trunk.backends.choice["rope"]
     def ran():
-        assert calls["table"] > 0 and calls["rotate"] > 0
+        assert calls["table"] > 0 and calls["rotate"] > 0 and calls["rotate_and_store"] > 0  # (eager, graphs)
 
     assert_exact_with_kernel(engine, ckpt(name), device, ran)
 
@@ -135,11 +159,11 @@ def test_the_table_kernel_compiles_for_a_gpu(on_device):
                     {"HALF": 32, "BLOCK": 32, "ON_DEVICE": on_device, "PDL": True}, num_warps=1)
 
 
-@pytest.mark.parametrize("rd", [64, 256])
-def test_the_rotation_kernel_compiles_for_a_gpu(rd):
+@pytest.mark.parametrize("rd, store", [(64, False), (256, False), (64, True)])
+def test_the_rotation_kernel_compiles_for_a_gpu(rd, store):
     pytest.importorskip("triton")
     from triton_front import compile_for_gpu
 
-    compile_for_gpu("engine.rope_triton", "_rotate_kernel",
-                    {p: "*bf16" for p in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "out_ptr")},
-                    {"D": 256, "RD": rd, "BLOCK": 256, "PDL": True}, num_warps=1)
+    pointers = ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "out_ptr", "v_ptr", "kc_ptr", "vc_ptr")
+    compile_for_gpu("engine.rope_triton", "_rotate_kernel", {p: "*bf16" for p in pointers} | {"pos_ptr": "*i64"},
+                    {"D": 256, "RD": rd, "BLOCK": 256, "STORE": store, "PDL": True}, num_warps=1)
