@@ -601,16 +601,17 @@ print(e.trunk.backends.choice['decode_attention'])" 2>&1 | tail -2 | tee "$OUT/a
   [ $SECONDS -lt 240 ] && timeout $((290 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo \
         --depths 0,3 --json "$OUT/cycle_demo_stop64.json" 2>&1 | grep -E "^depth|rror"
   ;;
-stop65)  # stop 65 (under 5.5 minutes): stop 64's case with the cycle graph's commit in two Triton kernels
-  # (cycle_triton): the new kernels' GPU tests first, then the choices, the plain / depth-3 / auto rows and, as
-  # time allows, the cycle profile
-  gpu_tests 150 "$OUT/gpu_tests_stop65.log" tests/test_cycle_triton.py tests/test_attention_triton.py \
-        tests/test_conv_triton.py tests/test_linear16_triton.py tests/test_gpu.py -k "not compile or for_a_gpu"
-  timeout 60 python3 -c "from engine import load_engine; e = load_engine('engine/assets/demo', device='cuda'); \
-c = e.trunk.backends.choice; print(c['decode_attention']); print(c['cycle'])" 2>&1 | tail -2 | tee "$OUT/choice65.txt"
-  [ $SECONDS -lt 210 ] && BENCH_TIMEOUT=$((290 - SECONDS)) bench --model engine/assets/demo --depths 0,3,auto \
+stop65)  # stop 65 (under 5 minutes): the demo model with stops 64-65's kernels (the cycle graphs' acceptance and
+  # commit in Triton kernels, cycle_triton; the split-K attention gating its output; rope writing keys and values
+  # into the cache): their GPU tests first, then the choices, the plain / depth-3 / auto rows and, as time allows,
+  # the cycle profile
+  gpu_tests 120 "$OUT/gpu_tests_stop65.log" tests/test_cycle_triton.py tests/test_attention_triton.py \
+        tests/test_rope_triton.py tests/test_conv_triton.py tests/test_linear16_triton.py -k "not engine and not graph_passes and not cycle_graphs"
+  timeout 45 python3 -c "from engine import load_engine; e = load_engine('engine/assets/demo', device='cuda'); \
+c = e.trunk.backends.choice; print(c['decode_attention']); print(c['cycle']); print(c['rope'])" 2>&1 | tail -3 | tee "$OUT/choice65.txt"
+  [ $SECONDS -lt 180 ] && BENCH_TIMEOUT=$((270 - SECONDS)) bench --model engine/assets/demo --depths 0,3,auto \
         --drafter mtp --max-new-tokens 256 --repeat 2 --no-hf --out "$OUT/bench_demo_stop65.json" | grep -E "auto|mtp|none|rror"
-  [ $SECONDS -lt 250 ] && timeout $((310 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo \
+  [ $SECONDS -lt 230 ] && timeout $((290 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo \
         --depths 0,3 --json "$OUT/cycle_demo_stop65.json" 2>&1 | grep -E "^depth|rror"
   ;;
 stop64t)  # stop 64's short check (under 3 minutes): the new kernels' GPU tests and the demo's attention choice
