@@ -9,7 +9,11 @@ host-side ops), the same differences between the arms. The GDN recurrence counts
 kernel on a GPU; here the torch reference, dozens of ops), so the counts approach a GPU's; the ops that launch
 most per cycle follow each count.
 
-    TRITON_INTERPRET=1 python packaging/bench/launch_census.py off|on
+    TRITON_INTERPRET=1 python packaging/bench/launch_census.py off|on [graphs]
+
+`graphs`: the passes a GPU runs as CUDA graphs (graphs.Rerun re-runs them here: plain decoding's in-place step,
+the cycle graphs), with the kernels a GPU picks at load where the CPU would keep a torch form: the split-K
+attention (its two launches) and the cycle graphs' bookkeeping (cycle_triton). Only with `on`.
 """
 
 import os
@@ -17,14 +21,15 @@ import sys
 from collections import Counter
 
 os.environ["TRITON_INTERPRET"] = "1"
-if sys.argv[1:] == ["off"]:
+GRAPHS = sys.argv[2:] == ["graphs"]
+if sys.argv[1:2] == ["off"]:
     os.environ.update(MTPCHAT_SHORT_CONV="torch", MTPCHAT_ADD_NORM="0", MTPCHAT_ROPE="torch", MTPCHAT_SWIGLU="torch")
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from engine import (GenerationSettings, conv_triton, gdn, kernels, load_engine, norm_triton, rope_triton,  # noqa: E402
-                    swiglu_triton)
+from engine import (GenerationSettings, conv_triton, cycle_triton, gdn, kernels,  # noqa: E402
+                    load_engine, norm_triton, rope_triton, swiglu_triton)
 from engine.events import Cycle  # noqa: E402
 
 NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "transpose", "t", "unsqueeze", "squeeze", "expand", "permute",
@@ -33,16 +38,26 @@ NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "transpose", "t", "unsqu
              "sym_size", "sym_stride", "diagonal", "narrow", "chunk", "flatten", "view_as"}
 
 
+CUSTOM = {"decode_attention": 2}  # the engine's custom ops that launch Triton kernels: how many (split-K, merge)
+
+
 class Census(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.launches, self.inside, self.ops = 0, 0, Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.inside and func.overloadpacket.__name__ not in NO_KERNEL:
-            self.launches += 1
-            self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not self.inside and name not in NO_KERNEL:
+            self.launches += CUSTOM.get(name, 1)
+            self.ops[name] += CUSTOM.get(name, 1)
+        if name not in CUSTOM:
+            return func(*args, **(kwargs or {}))
+        self.inside += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.inside -= 1
 
 
 census = None
@@ -74,8 +89,13 @@ for name in ("launch_add", "rms_norm", "gated_rms_norm"):
 for name in ("table", "rotate"):
     setattr(rope_triton, name, one_launch(getattr(rope_triton, name), f"rope_{name}"))
 swiglu_triton.swiglu = one_launch(swiglu_triton.swiglu, "swiglu")
+rope_triton.rotate_and_store = one_launch(rope_triton.rotate_and_store, "rope_rotate_and_store")
+for name in ("settle", "first_rows_", "accept"):
+    setattr(cycle_triton, name, one_launch(getattr(cycle_triton, name), name))
 
-engine = load_engine("engine/assets/demo", device="cpu", dtype="bfloat16")
+engine = load_engine("engine/assets/demo", device="cpu", dtype="bfloat16", cuda_graphs=GRAPHS)
+if GRAPHS:  # (a GPU's choices at load; the CPU keeps the torch forms)
+    engine.trunk.backends.decode_attention, engine.trunk.backends.cycle = "triton", "triton"
 print("conv1d:", engine.trunk.backends.choice["conv1d"][1])
 print("rmsnorm:", engine.trunk.backends.choice["rmsnorm"][1], "| MTPCHAT_ADD_NORM:", os.environ.get("MTPCHAT_ADD_NORM"))
 print("rope:", engine.trunk.backends.choice["rope"][1], "| swiglu:", engine.trunk.backends.choice["swiglu"][1])
