@@ -84,6 +84,7 @@
 #   bash packaging/bench/h200.sh stop63b   # stop 63: the demo after the one gather over Qwen3-Next's GDN projections
 #                                         # (plain, depth 3, auto, the cycle profile), then the graph tests
 #   bash packaging/bench/h200.sh stop65    # stop 65: stop64's case with the cycle graph's commit as two Triton kernels
+#   bash packaging/bench/h200.sh auto65    # auto's plain cycles against plain decoding on the demo (auto_overhead.py)
 #   bash packaging/bench/h200.sh stop64    # stop 64: the demo with its GDN projections in order at load and the split-K
 #                                         # attention's merge kernel (its choice, rows, cycle profile, GPU tests)
 #   bash packaging/bench/h200.sh fp8x62    # stop 62 (H200 only): the whole 80B-A3B in FP8 --compile (the rope table now
@@ -613,6 +614,10 @@ c = e.trunk.backends.choice; print(c['decode_attention']); print(c['cycle']); pr
         --drafter mtp --max-new-tokens 256 --repeat 2 --no-hf --out "$OUT/bench_demo_stop65.json" | grep -E "auto|mtp|none|rror"
   [ $SECONDS -lt 230 ] && timeout $((290 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo \
         --depths 0,3 --json "$OUT/cycle_demo_stop65.json" 2>&1 | grep -E "^depth|rror"
+  ;;
+auto65)  # stop 65's question (under 3 minutes): where --depth auto's plain cycles lose 8% to plain decoding on the
+  # demo model (the chooser's host time or the drafter's keep of each step's hidden)
+  timeout 170 python3 packaging/bench/auto_overhead.py 2>&1 | tail -3
   ;;
 stop64t)  # stop 64's short check (under 3 minutes): the new kernels' GPU tests and the demo's attention choice
   gpu_tests 110 "$OUT/gpu_tests_stop64t.log" tests/test_attention_triton.py tests/test_conv_triton.py \
