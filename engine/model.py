@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams
 
-from . import cycle_triton, conv_triton, fp8, gdn, int4, rope_triton, swiglu_triton
+from . import conv_triton, cycle_triton, fp8, gdn, int4, rope_triton, swiglu_triton
 from .cache import FP8, KVCache, GDNState, dequantize_kv, kv_write, kv_write_at
 from .checkpoint import TensorFiles, model_dir, read_json
 from .context import kv_cache_dtype
