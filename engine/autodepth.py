@@ -54,6 +54,11 @@ PROBE_UNSURE = 4
 # 18.7 ms a cycle) the prior picks plain decoding, and with a probe every PROBE_EVERY cycles adding one position at a
 # time auto reached depth 4 at flat acceptance 1.0 after some 20 cycles (auto_sim: 0.88 of depth 4 over 128 tokens)
 MIN_JUDGED = 4
+# a pick of plain decoding (not a probe) holds for the cycles before the next probe could be due, PROBE_EVERY - 1
+# at most: plain cycles learn nothing but plain decoding's own cost, and the pick's host time was a tenth of a plain
+# step on the demo model on a GPU (about 17 us on this 2-core CPU against a 0.18 ms step on an H100: auto 0.92x
+# plain where it decoded 245 of 252 cycles plainly, stop 65)
+HOLD_MAX = PROBE_EVERY - 1
 # a cycle this many times the cheapest depth's running cost paid for something once (a CUDA-graph capture, a first
 # kernel call, the allocator growing): not its depth's cost. One such 400 ms cycle taken as depth 4's cost made
 # every deep depth look dear for the rest of a 27B reply (auto 2.54x plain where depth 4 gave 3.27x, H200)
@@ -121,6 +126,7 @@ class DepthChooser:
     # demo model on an H100: 0.33 ms of catch-up on a 0.46 ms plain step, which probes spaced as if it were free
     # (every ~50 cycles) made 3% of a reply (auto 0.96x plain where plain was 0.97 of the best depth)
     switch_ms: float | None = None
+    held: int = 0  # plain picks left to hand out without reading the estimates (hold)
 
     def __post_init__(self):
         self.acceptance = [PRIOR_ACCEPTANCE] * self.max_depth
@@ -162,10 +168,33 @@ class DepthChooser:
         return rates(self.acceptance, costs or self.costs())[k] * 1e3
 
     def pick(self) -> int:
+        if self.held and self.last_depth == 0:  # (what probe does at depth 0 when it is not due)
+            self.held -= 1
+            self.since_probe += 1
+            self.since_probe_ms += self.cost.get(0, 0.0)
+            self.probing = False
+            return 0
         costs = self.costs()
         by_depth = rates(self.acceptance, costs)
         self.why = "expected tok/s by depth " + ", ".join(f"{j}: {r * 1e3:.0f}" for j, r in enumerate(by_depth))
-        return self.probe(self.worth_falling(best_depth(by_depth), by_depth), costs)
+        k = self.probe(self.worth_falling(best_depth(by_depth), by_depth), costs)
+        self.held = self.hold(costs) if k == 0 and not self.probing and 0 in self.cost else 0
+        if self.held:
+            self.why += f"; held {self.held} cycles"
+        return k
+
+    def hold(self, costs: list[float]) -> int:
+        """After a plain pick that is not a probe: how many of the next picks are plain decoding whatever depth 0's
+        cost does meanwhile (HOLD_MAX at most), the picks before the next probe could be due (probe_due, counted
+        at today's costs; the pick after them reads the estimates again and probes when due). A drafting cycle
+        observed in between (a depth imposed from outside) ends the hold (observe)."""
+        s, c0 = self.since_probe, max(costs[0], 1e-6)
+        if self.judged[0] < MIN_JUDGED:
+            due = PROBE_UNSURE - s
+        else:
+            extra = self.probe_loss(0, costs)
+            due = min(PROBE_MAX - s, max(PROBE_EVERY - s, int((extra / PROBE_SHARE - self.since_probe_ms) / c0)))
+        return max(0, min(due - 2, HOLD_MAX))  # (a pick early rather than a probe late: the sums round)
 
     def worth_falling(self, k: int, by_depth: list[float]) -> int:
         """k, or the best drafting depth where k = 0 comes from drafting but saves less over the PROBE_EVERY plain
@@ -260,6 +289,8 @@ class DepthChooser:
         cycles was 20.9 ms where its cycles in a row took 17.1, so auto held plain decoding (12.0 ms) through
         replies that depth 1 ran 1.2x faster; each probe from plain decoding only confirmed it."""
         switched, self.last_depth = self.last_depth == 0 and depth > 0, depth
+        if depth:
+            self.held = 0
         if switched:
             self.observe_switch(depth, ms)
         else:

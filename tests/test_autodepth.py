@@ -3,7 +3,7 @@
 import pytest
 
 from engine import AUTO, DecodeControl, GenerationSettings
-from engine.autodepth import (MIN_JUDGED, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, PROBE_UNSURE, SPIKE, WEIGHT,
+from engine.autodepth import (HOLD_MAX, MIN_JUDGED, PROBE_EVERY, PROBE_MAX, PROBE_SHARE, PROBE_UNSURE, SPIKE, WEIGHT,
                               DepthChooser, best_depth, expected_tokens, rates, stop_floors)
 from engine.events import Cycle, Tokens
 from test_exactness import FAMILIES, assert_mtp_drafts_accepted_and_rejected, decode
@@ -374,3 +374,40 @@ def test_a_chain_stopped_on_a_doubtful_draft_is_exact(name, engines, monkeypatch
     assert stopped and all("stopped after draft" in c.why for c in stopped)
     assert any(c.depth >= 2 for c in cycles if not c.stopped)  # and chains ran on past a confident draft
     assert_mtp_drafts_accepted_and_rejected(events[-1])
+
+
+def test_a_held_plain_pick_decides_as_reading_the_estimates_every_cycle_would(monkeypatch):
+    """A plain pick holds for the cycles before the next probe could be due (the pick's host time was a tenth of a
+    plain step on the demo model on a GPU): at steady costs, the depths picked, probes included, are the ones a
+    chooser reading its estimates every cycle picks, while most plain picks skip the reading."""
+    import random
+
+    import engine.autodepth as autodepth
+
+    tables = {"cpu": {0: 8.2, 1: 14.0, 2: 16.4, 3: 18.7, 4: 21.0}, "h100-demo": {0: 0.18, 1: 0.37, 2: 0.42, 3: 0.51,
+              4: 0.6}, "h200-27b": {0: 14.86, 1: 16.2, 2: 16.4, 3: 16.35, 4: 16.8}}
+
+    def run(cost, p, hold_max):
+        monkeypatch.setattr(autodepth, "HOLD_MAX", hold_max)
+        rng, c, picks, read = random.Random(7), DepthChooser(4, mean_first=True, cost=dict(cost), switch_ms=0.3), [], 0
+        for _ in range(400):
+            before = c.held
+            depth = c.pick()
+            read += not (before and depth == 0 and c.held == before - 1)
+            picks.append(depth)
+            flags = []
+            for _ in range(depth):
+                flags.append(rng.random() < p)
+                if not flags[-1]:
+                    break
+            c.observe(depth, flags, cost[depth] + (0.3 if depth and picks[-2:-1] == [0] else 0.0))
+        return picks, read
+
+    held_somewhere = False
+    for name, cost in tables.items():
+        for p in (0.0, 0.3, 0.6, 0.95):
+            (held, read_held), (every, read_every) = run(cost, p, HOLD_MAX), run(cost, p, 0)
+            assert held == every, (name, p)
+            assert read_every == 400 and (read_held < 400) == (held.count(0) > 2 * PROBE_EVERY), (name, p)
+            held_somewhere |= read_held < 400 // 4
+    assert held_somewhere  # (at acceptance 0 fewer than one pick in four reads the estimates)

@@ -1,7 +1,9 @@
 """Where --depth auto's plain cycles lose to plain decoding on the demo model (0.92x on an H100 in stop 65, 245 of
-252 cycles plain): tok/s (median of 5) at depth 0, at auto, and at auto with the chooser's pick and observe
-replaced by constants (what is left: the drafter's keep of each step's hidden, the loop's bookkeeping), then
-depth 0 again. On a GPU (h200.sh auto65); writes $OUT/auto_overhead_h100.json.
+252 cycles plain): tok/s (median of 5) at depth 0, at auto (plain picks held until the next probe could be due,
+autodepth.HOLD_MAX), at auto reading the estimates every cycle (HOLD_MAX 0, stop 65's chooser), and at auto with the
+chooser's pick and observe replaced by constants (what is left: the drafter's keep of each step's hidden, the loop's
+bookkeeping), then depth 0 again; the depths auto picked. On a GPU (h200.sh auto65); writes
+$OUT/auto_overhead_<gpu>.json.
 
     python packaging/bench/auto_overhead.py
 """
@@ -17,20 +19,35 @@ e = load_engine("engine/assets/demo", device="cuda")
 prompt = e.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
 e.warm_up(depths=[0, 1, 2, 3, 4])
 
-def run(depth, n=256, reps=5):
+depths = {}
+
+
+def run(label, depth, n=256, reps=5):
     out = []
     for _ in range(reps + 1):
         torch.cuda.synchronize(); t = time.perf_counter()
-        k = sum(len(ev.token_ids) for ev in e.generate(prompt, GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True)) if hasattr(ev, "token_ids"))
+        k = 0
+        for ev in e.generate(prompt, GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True)):
+            k += len(getattr(ev, "token_ids", ()))
+            if hasattr(ev, "stats") and isinstance(ev.stats, dict):
+                depths[label] = ev.stats.get("auto_depths")
         torch.cuda.synchronize(); out.append(k / (time.perf_counter() - t))
     return sorted(out[1:])[len(out[1:]) // 2]
 
-res = {"plain": run(0), "auto": run("auto")}
+
+res = {"plain": run("plain", 0), "auto": run("auto", "auto")}
+held = autodepth.HOLD_MAX
+autodepth.HOLD_MAX = 0
+res["auto_every_cycle"] = run("auto_every_cycle", "auto")
+autodepth.HOLD_MAX = held
 pick, observe = autodepth.DepthChooser.pick, autodepth.DepthChooser.observe
 autodepth.DepthChooser.pick = lambda self: 0
 autodepth.DepthChooser.observe = lambda self, *a: None
-res["auto_constant_chooser"] = run("auto")
+res["auto_constant_chooser"] = run("auto_constant_chooser", "auto")
 autodepth.DepthChooser.pick, autodepth.DepthChooser.observe = pick, observe
-res["plain_again"] = run(0)
+res["plain_again"] = run("plain_again", 0)
+res["auto_depths_last_reply"] = depths
+res["gpu"] = torch.cuda.get_device_name()
 print(json.dumps(res))
-json.dump(res, open(os.environ.get("OUT", "/tmp") + "/auto_overhead_h100.json", "w"))
+gpu = "h200" if "H200" in res["gpu"] else "h100"
+json.dump(res, open(os.environ.get("OUT", "/tmp") + f"/auto_overhead_{gpu}.json", "w"), indent=1)
