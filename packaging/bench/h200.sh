@@ -85,6 +85,8 @@
 #                                         # (plain, depth 3, auto, the cycle profile), then the graph tests
 #   bash packaging/bench/h200.sh stop65    # stop 65: stop64's case with the cycle graph's commit as two Triton kernels
 #   bash packaging/bench/h200.sh auto65    # auto's plain cycles against plain decoding on the demo (auto_overhead.py)
+#   bash packaging/bench/h200.sh stop66    # stop 66: auto_overhead.py (plain picks held); then on an H200 fp8x62's records,
+#                                         # elsewhere the demo's rows at depths 0-3 and auto
 #   bash packaging/bench/h200.sh stop64    # stop 64: the demo with its GDN projections in order at load and the split-K
 #                                         # attention's merge kernel (its choice, rows, cycle profile, GPU tests)
 #   bash packaging/bench/h200.sh fp8x62    # stop 62 (H200 only): the whole 80B-A3B in FP8 --compile (the rope table now
@@ -614,6 +616,22 @@ c = e.trunk.backends.choice; print(c['decode_attention']); print(c['cycle']); pr
         --drafter mtp --max-new-tokens 256 --repeat 2 --no-hf --out "$OUT/bench_demo_stop65.json" | grep -E "auto|mtp|none|rror"
   [ $SECONDS -lt 230 ] && timeout $((290 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo \
         --depths 0,3 --json "$OUT/cycle_demo_stop65.json" 2>&1 | grep -E "^depth|rror"
+  ;;
+stop66)  # stop 66 (under 10 minutes): auto's plain picks held until the next probe could be due (autodepth.HOLD_MAX)
+  # against reading the estimates every cycle, on the demo; then the H200's records (#23's 80B-A3B in FP8, #28's 27B
+  # in bf16, both --compile) where this is an H200, else the demo's rows
+  timeout 170 python3 packaging/bench/auto_overhead.py 2>&1 | tail -2
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    BENCH_TIMEOUT=$((560 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 \
+        --drafter oracle --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_compile66_h200.json" \
+        | grep -E "none|oracle|HBM|rror"
+    [ $SECONDS -lt 420 ] && BENCH_TIMEOUT=$((585 - SECONDS)) bench --random-weights qwen3.5-27b --compile --depths 0,3 \
+        --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_compile66_h200.json" \
+        | grep -E "none|oracle|HBM|rror"
+  else
+    BENCH_TIMEOUT=$((400 - SECONDS)) bench --model engine/assets/demo --depths 0,1,2,3,auto --drafter mtp \
+        --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_stop66.json" | grep -E "auto|mtp|none|rror"
+  fi
   ;;
 auto65)  # stop 65's question (under 3 minutes): where --depth auto's plain cycles lose 8% to plain decoding on the
   # demo model (the chooser's host time or the drafter's keep of each step's hidden)
