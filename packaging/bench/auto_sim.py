@@ -42,9 +42,11 @@ GPU_DEMO_MS = {0: 0.449, 1: 0.80, 2: 0.94, 3: 1.065, 4: 1.169}
 GPU_DEMO_MS_62 = {0: 0.304, 1: 0.62, 2: 0.724, 3: 0.822, 4: 0.92}
 # stop 63 (bench_demo_climb63_h100.json: depths 0, 3 and 4 from tokens a cycle / tok/s; 1 and 2 guessed a step apart)
 GPU_DEMO_MS_63 = {0: 0.281, 1: 0.62, 2: 0.70, 3: 0.776, 4: 0.853}
+# stop 65 (bench_demo_stop65{,b}_h100.json: depths 0-3 from tokens a cycle / tok/s; 4 guessed a step past 3)
+GPU_DEMO_MS_65 = {0: 0.177, 1: 0.352, 2: 0.394, 3: 0.455, 4: 0.515}
 COSTS = {"h200-27b": (COST_MS, 0.0), "cpu-demo": (CPU_MS, 0.05), "cpu-demo-now": (CPU_MS_NOW, 0.09),
          "cpu-demo-onednn": (CPU_MS_ONEDNN, 0.07), "h100-demo": (GPU_DEMO_MS, 0.0), "h100-demo-62": (GPU_DEMO_MS_62, 0.0),
-         "h100-demo-63": (GPU_DEMO_MS_63, 0.0)}
+         "h100-demo-63": (GPU_DEMO_MS_63, 0.0), "h100-demo-65": (GPU_DEMO_MS_65, 0.0)}
 CATCH_UP_MS, NOISE, SWITCH_MS, RESUME = 0.0, 0.0, 0.0, None  # (main sets them, and COST_MS)
 EASY, HARD = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.0]  # cmd_bench's 'changing' profile
 PROFILES = {
@@ -63,6 +65,8 @@ PROFILES = {
     "demo-gpu-62": lambda made, n: [0.73, 0.85, 0.89, 0.85],
     # stop 63's depth 4 row (bench_demo_climb63_h100.json: 0.68 0.54 0.48 0.42 unconditional)
     "demo-gpu-63": lambda made, n: [0.68, 0.79, 0.89, 0.875],
+    # stop 65's depth 3 row (bench_demo_stop65_h100.json: 0.66 0.44 0.36 unconditional; the 4th position guessed)
+    "demo-gpu-65": lambda made, n: [0.66, 0.66, 0.82, 0.8],
 }
 
 
