@@ -2,13 +2,17 @@
 252 cycles plain): tok/s (median of 5) at depth 0, at auto (plain picks held until the next probe could be due,
 autodepth.HOLD_MAX), at auto reading the estimates every cycle (HOLD_MAX 0, stop 65's chooser), and at auto with the
 chooser's pick and observe replaced by constants (what is left: the drafter's keep of each step's hidden, the loop's
-bookkeeping), then depth 0 again; the depths auto picked. On a GPU (h200.sh auto65); writes
+bookkeeping), then depth 0 again; the depths auto picked; then the host's Python per token, plain and auto (cProfile:
+the functions with the most time of their own). On a GPU (h200.sh auto65); writes
 $OUT/auto_overhead_<gpu>.json.
 
     python packaging/bench/auto_overhead.py
 """
+import cProfile
+import io
 import json
 import os
+import pstats
 import time
 
 import torch
@@ -47,6 +51,14 @@ res["auto_constant_chooser"] = run("auto_constant_chooser", "auto")
 autodepth.DepthChooser.pick, autodepth.DepthChooser.observe = pick, observe
 res["plain_again"] = run("plain_again", 0)
 res["auto_depths_last_reply"] = depths
+for label, depth in (("plain", 0), ("auto", "auto")):  # (cProfile slows the loop: its shares, not its rates)
+    prof = cProfile.Profile()
+    prof.enable()
+    run("profiled_" + label, depth, reps=1)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    res["host_profile_" + label] = text.getvalue().splitlines()
 res["gpu"] = torch.cuda.get_device_name()
 print(json.dumps(res))
 gpu = "h200" if "H200" in res["gpu"] else "h100"
