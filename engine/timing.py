@@ -8,6 +8,9 @@ from contextlib import contextmanager
 import torch
 
 PHASES = ("prefill", "priming", "draft", "verify", "accept", "commit", "refresh", "sampling", "detokenize")
+# phases that are the host's work alone, timed on its clock: CUDA events around them measured how far the GPU's
+# queue moved meanwhile, and cost two events a token on the demo model's host-bound plain steps
+HOST_PHASES = ("detokenize",)
 
 
 class PhaseTimer:
@@ -20,9 +23,20 @@ class PhaseTimer:
         self.totals: dict[str, float] = {}
         self.recent: dict[str, float] = {}
         self.handed: list = []  # (event, phase): the current phase's time after each event counts there
+        # this timer's own marks, read and free to record again (a CUDA event each phase's start and end, created
+        # once: not per cycle), and the ids of all of them (not the graphs' events that hand_over brings)
+        self.free: list = []
+        self.own: set[int] = set()
 
     @contextmanager
     def phase(self, name: str):
+        if name in HOST_PHASES:
+            t = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._add(self.recent, name, (time.perf_counter() - t) * 1e3)
+            return
         start, end = self.mark(), self.mark()
         start.record(self.stream)
         self.handed = []
@@ -38,9 +52,18 @@ class PhaseTimer:
                     self.pending.append((phase, a, b))
                 else:
                     self._add(self.recent, phase, (b.t - a.t) * 1e3)
+                    self.release(a, b)
 
     def mark(self):
-        return torch.cuda.Event(enable_timing=True) if self.cuda else HostMark()
+        if self.free:
+            return self.free.pop()
+        m = torch.cuda.Event(enable_timing=True) if self.cuda else HostMark()
+        self.own.add(id(m))
+        return m
+
+    def release(self, *marks) -> None:
+        """Marks whose times were read: this timer's own are recorded again by later phases."""
+        self.free.extend(m for m in marks if id(m) in self.own)
 
     def hand_over(self, event, name: str) -> None:
         """Inside phase(): from `event` on (a CUDA event, or a HostMark on the CPU, recorded inside a graph that
@@ -62,6 +85,7 @@ class PhaseTimer:
                 if block or (end.query() and start.query()):  # (a graph's events: both, in any order)
                     end.synchronize()
                     self._add(self.recent, name, start.elapsed_time(end))
+                    self.release(start, end)
                 else:
                     keep.append((name, start, end))
             self.pending = keep
