@@ -137,13 +137,18 @@ def attention(attn, x, pos, cos, sin, keys: torch.Tensor, values: torch.Tensor, 
         q, gate = qg.reshape(B, T, -1, 2 * hd).chunk(2, dim=-1)
     else:  # dense Qwen3: no output gate
         q, gate = qg.reshape(B, T, -1, hd), None
-    q = attn.q_norm(q).transpose(1, 2)
-    k = attn.k_norm(k.reshape(B, T, -1, hd)).transpose(1, 2)
+    k = k.reshape(B, T, -1, hd)
     v = v.reshape(B, T, -1, hd).transpose(1, 2)
+    # graph mode over a 16-bit cache: keys rotated and values copied straight into it, one launch, with q_norm and
+    # k_norm in it where both run norm_triton's kernel
     stored = (not isinstance(pos, int) and rope == "triton" and values is not None
-              and rope_triton.storable(q, k, v, cos, keys, values))
-    if stored:  # graph mode over a 16-bit cache: keys rotated and values copied straight into it, one launch
-        q = rope_triton.rotate_and_store(q, k, v, cos, sin, keys, values, pos)
+              and rope_triton.storable(q.transpose(1, 2), k.transpose(1, 2), v, cos, keys, values))
+    norms = rope_triton.qk_norms(attn) if stored else None
+    if norms is None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if stored:
+        q = rope_triton.rotate_and_store(q, k, v, cos, sin, keys, values, pos, norms)
         keys, values = keys.unsqueeze(0), values.unsqueeze(0)
     else:
         q, k = apply_rope(q, k, cos, sin, fused=rope == "triton")

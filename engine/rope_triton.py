@@ -57,12 +57,14 @@ if triton is not None:
 
     @triton.jit
     def _rotate_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, out_ptr, sq_h, sq_t, sk_h, sk_t, T, HQ,
-                       v_ptr, sv_h, sv_t, kc_ptr, vc_ptr, sc_h, sc_n, pos_ptr, HK,
+                       v_ptr, sv_h, sv_t, kc_ptr, vc_ptr, sc_h, sc_n, pos_ptr, HK, wq_ptr, wk_ptr, eps, shift,
                        D: tl.constexpr, RD: tl.constexpr, BLOCK: tl.constexpr, STORE: tl.constexpr = False,
-                       PDL: tl.constexpr = False):
+                       NORM: tl.constexpr = False, PDL: tl.constexpr = False):
         """One head row (head h of q, then of k, then with STORE of v, at token t): its first RD dims rotated
         (v's none), the rest copied; into out [HQ + HK, T, D], or with STORE k's and v's rows into one layer's
-        key / value cache [HK, N, D] at position pos_ptr[t]."""
+        key / value cache [HK, N, D] at position pos_ptr[t]. NORM: q's and k's rows are RMS-normed first, with
+        weights wq / wk (attention's q_norm / k_norm, norm_triton._rms_norm_kernel's arithmetic, rounded to the
+        activations' dtype as its output is)."""
         after_previous(PDL)
         row = tl.program_id(0)
         h, t = row // T, row % T
@@ -80,6 +82,15 @@ if triton is not None:
         c = tl.load(cos_ptr + t * RD + d, mask=rot, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + t * RD + d, mask=rot, other=0.0).to(tl.float32)
         dt = out_ptr.dtype.element_ty
+        if NORM:
+            if h < HQ + HK:
+                w_ptr = wq_ptr if h < HQ else wk_ptr
+                xf = x.to(tl.float32)
+                rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+                w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+                wr = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+                x = (xf * rstd * (shift + w)).to(dt)
+                xr = (xr * rstd * (shift + wr)).to(dt).to(tl.float32)
         y = ((x.to(tl.float32) * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
         dst = out_ptr + row * D
         if STORE:
@@ -111,24 +122,42 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     hk, rd = k.shape[1], cos.shape[-1]
     out = torch.empty(1, hq + hk, T, D, device=q.device, dtype=q.dtype)
     _rotate_kernel[((hq + hk) * T,)](q, k, cos, sin, out, q.stride(1), q.stride(2), k.stride(1), k.stride(2), T, hq,
-                                     q, 0, 0, out, out, 0, 0, cos, hk, D=D, RD=rd, BLOCK=triton.next_power_of_2(D),
+                                     q, 0, 0, out, out, 0, 0, cos, hk, cos, cos, 0.0, 0.0, D=D, RD=rd,
+                                     BLOCK=triton.next_power_of_2(D),
                                      num_warps=1, enable_fp_fusion=False, **pdl(q))  # (no FMA: each product
     return out[:, :hq], out[:, hq:]  # rounds, as torch's)
 
 
 def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                     keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, norms=None) -> torch.Tensor:
     """rotate() with the rotated keys and the values [1, HK, T, D] written straight into one layer's cache keys /
     values [HK, N, D] at positions [T] (graph mode's cache.kv_write_at: two index_puts fewer, one launch in all);
-    returns the rotated queries [1, HQ, T, D]."""
+    returns the rotated queries [1, HQ, T, D]. norms: qk_norms(attn), q and k not normed yet (two launches
+    fewer)."""
     _, hq, T, D = q.shape
     hk, rd = k.shape[1], cos.shape[-1]
+    wq, wk, eps, shift = norms if norms is not None else (cos, cos, 0.0, 0.0)
     out = torch.empty(1, hq, T, D, device=q.device, dtype=q.dtype)
     _rotate_kernel[((hq + 2 * hk) * T,)](q, k, cos, sin, out, q.stride(1), q.stride(2), k.stride(1), k.stride(2), T,
                                          hq, v, v.stride(1), v.stride(2), keys, values, keys.stride(0),
-                                         keys.stride(1), positions, hk, D=D, RD=rd, BLOCK=triton.next_power_of_2(D),
-                                         STORE=True, num_warps=1, enable_fp_fusion=False, **pdl(q))
+                                         keys.stride(1), positions, hk, wq, wk, float(eps), float(shift), D=D, RD=rd,
+                                         BLOCK=triton.next_power_of_2(D), STORE=True, NORM=norms is not None,
+                                         num_warps=1, enable_fp_fusion=False, **pdl(q))
     return out
+
+
+def qk_norms(attn):
+    """(q_norm's weight, k_norm's, eps, shift) where both norms run norm_triton's kernel (installed after its
+    self-check) alike, for rotate_and_store to apply; else None (their own forwards run)."""
+    from . import norm_triton
+
+    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if not all(getattr(getattr(m, "forward", None), "__func__", None) is norm_triton._fused_forward for m in (qn, kn)):
+        return None
+    eps, shift = norm_triton._eps(qn), qn.norm_shift
+    if eps is None or (norm_triton._eps(kn), kn.norm_shift) != (eps, shift) or qn.weight.shape != kn.weight.shape:
+        return None
+    return qn.weight, kn.weight, eps, shift
 
 
 def rotatable(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -175,7 +204,19 @@ def _self_check(rotary, heads: tuple[int, int], head_dim: int, device, dtype) ->
         want_k, want_v = torch.zeros_like(keys), torch.zeros_like(values)
         want_k[:, at], want_v[:, at] = k_ref[0], v[0]
         worst = max(worst, relative_error(q_got, q_ref), relative_error(keys, want_k), relative_error(values, want_v))
+        # with q_norm and k_norm in the launch (qk_norms): against transformers' zero-centred RMSNorm, then the above
+        wq, wk = (torch.randn(head_dim, generator=gen, device=device).to(dtype) * 0.1 for _ in range(2))
+        q_got = rotate_and_store(q, k, v, ref_cos, ref_sin, keys, values, at, (wq, wk, 1e-6, 1.0))
+        q_ref, k_ref = apply_rope(_rms_norm(q, wq), _rms_norm(k, wk), ref_cos, ref_sin)
+        want_k[:, at] = k_ref[0]
+        worst = max(worst, relative_error(q_got, q_ref), relative_error(keys, want_k))
     return worst
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """transformers' Qwen3-Next RMSNorm (zero-centred weight), the self-check's reference."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).to(x.dtype)
 
 
 def install(backends, rotary, config, device, dtype) -> None:

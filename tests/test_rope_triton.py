@@ -159,11 +159,66 @@ def test_the_table_kernel_compiles_for_a_gpu(on_device):
                     {"HALF": 32, "BLOCK": 32, "ON_DEVICE": on_device, "PDL": True}, num_warps=1)
 
 
-@pytest.mark.parametrize("rd, store", [(64, False), (256, False), (64, True)])
-def test_the_rotation_kernel_compiles_for_a_gpu(rd, store):
+@pytest.mark.parametrize("rd, store, norm", [(64, False, False), (256, False, False), (64, True, False),
+                                             (64, True, True)])
+def test_the_rotation_kernel_compiles_for_a_gpu(rd, store, norm):
     pytest.importorskip("triton")
     from triton_front import compile_for_gpu
 
-    pointers = ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "out_ptr", "v_ptr", "kc_ptr", "vc_ptr")
-    compile_for_gpu("engine.rope_triton", "_rotate_kernel", {p: "*bf16" for p in pointers} | {"pos_ptr": "*i64"},
-                    {"D": 256, "RD": rd, "BLOCK": 256, "STORE": store, "PDL": True}, num_warps=1)
+    pointers = ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "out_ptr", "v_ptr", "kc_ptr", "vc_ptr", "wq_ptr", "wk_ptr")
+    compile_for_gpu("engine.rope_triton", "_rotate_kernel",
+                    {p: "*bf16" for p in pointers} | {"pos_ptr": "*i64", "eps": "fp32", "shift": "fp32"},
+                    {"D": 256, "RD": rd, "BLOCK": 256, "STORE": store, "NORM": norm, "PDL": True}, num_warps=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("shift", [1.0, 0.0])
+def test_rotate_and_store_with_the_qk_norms_is_the_norm_kernel_then_the_rotation(device, dtype, T, shift):
+    """q_norm and k_norm in the rotation's launch (qk_norms: two launches fewer per attention layer and pass):
+    what norm_triton's kernel then rotate_and_store give, queries strided as attention makes them (before the
+    norm: half of q_proj's rows), zero-centred weights and plain ones."""
+    from engine import norm_triton
+
+    rot, _ = rotary(device)
+    gen = torch.Generator(device=device).manual_seed(T)
+    positions = torch.arange(37, 37 + T, device=device)
+    cos, sin = rot(positions.unsqueeze(0), dtype)
+    qg = (torch.randn(1, T, 6, 128, generator=gen, device=device) * 3).to(dtype)
+    q = qg[..., :64].transpose(1, 2)
+    k, v = ((torch.randn(1, T, 2, 64, generator=gen, device=device) * 3).to(dtype).transpose(1, 2) for _ in range(2))
+    wq, wk = ((torch.randn(64, generator=gen, device=device) * 0.2 + 1 - shift).to(dtype) for _ in range(2))
+    keys, values = (torch.randn(2, 64, 64, generator=gen, device=device).to(dtype) for _ in range(2))
+    want_keys, want_values = keys.clone(), values.clone()
+    q_got = rope_triton.rotate_and_store(q, k, v, cos, sin, keys, values, positions, (wq, wk, 1e-6, shift))
+    q_normed, k_normed = (norm_triton.rms_norm(x, w, 1e-6, shift).transpose(1, 2)
+                          for x, w in ((q.transpose(1, 2), wq), (k.transpose(1, 2), wk)))
+    q_want = rope_triton.rotate_and_store(q_normed, k_normed, v, cos, sin, want_keys, want_values, positions)
+    for got, want in ((q_got, q_want), (keys, want_keys), (values, want_values)):
+        if device.type == "cuda":  # (the norm kernel may fuse products into FMAs that this launch leaves apart)
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+        else:
+            assert torch.equal(got, want)
+    assert not torch.equal(q_got, rope_triton.rotate_and_store(q, k, v, cos, sin, keys, values, positions))
+
+
+def test_the_engine_decodes_exactly_with_the_qk_norms_in_the_rotation(ckpt, device, monkeypatch):
+    """The same with norm_triton's kernel allowed too: every graph-mode attention layer (the trunk's and the MTP
+    head's) normalises its queries and keys inside the rotation's launch, and decoding stays exact."""
+    from engine import load_engine, norm_triton
+
+    monkeypatch.setattr(rope_triton, "supported", lambda device, dtype: None)
+    if device.type == "cpu":
+        monkeypatch.setattr(norm_triton, "_why_not", lambda device, dtype: None)
+    fused = []
+    store = rope_triton.rotate_and_store
+    monkeypatch.setattr(rope_triton, "rotate_and_store",
+                        lambda *a, **kw: fused.append(a[8] if len(a) > 8 else kw.get("norms")) or store(*a, **kw))
+    engine = load_engine(str(ckpt("next")), device=str(device), dtype="float32", cuda_graphs=True)
+    assert engine.trunk.backends.rope == "triton" and engine.trunk.backends.choice["rmsnorm"][0] == "triton"
+    fused.clear()  # (the self-check's calls at load: without norms too)
+
+    def ran():
+        assert fused and all(n is not None for n in fused), fused[:4]
+
+    assert_exact_with_kernel(engine, ckpt("next"), device, ran)
