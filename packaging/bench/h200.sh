@@ -617,9 +617,10 @@ c = e.trunk.backends.choice; print(c['decode_attention']); print(c['cycle']); pr
   [ $SECONDS -lt 230 ] && timeout $((290 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo \
         --depths 0,3 --json "$OUT/cycle_demo_stop65.json" 2>&1 | grep -E "^depth|rror"
   ;;
-stop66)  # stop 66 (under 10 minutes): auto's plain picks held until the next probe could be due (autodepth.HOLD_MAX)
+stop66)  # stop 66 (under 10 minutes): q_norm / k_norm in rope's launch (its GPU tests); auto's plain picks held until the next probe could be due (autodepth.HOLD_MAX)
   # against reading the estimates every cycle, on the demo; then the H200's records (#23's 80B-A3B in FP8, #28's 27B
   # in bf16, both --compile) where this is an H200, else the demo's rows
+  gpu_tests 100 "$OUT/gpu_tests_stop66.log" tests/test_rope_triton.py -k "qk_norms or store or rotation"
   timeout 170 python3 packaging/bench/auto_overhead.py 2>&1 | tail -2
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     BENCH_TIMEOUT=$((560 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 \
