@@ -22,7 +22,7 @@ from .modules import quantize_like_releases
 from .fp8_triton import install as install_fp8
 from .cpu_linear import install as install_cpu_linear
 from .linear16_triton import install as install_linear16
-from .norm_triton import add_then_norm, install as install_norms
+from .norm_triton import add_then_norm, install as install_norms, two_norms
 
 
 class MTPUnusable(EngineError):
@@ -124,8 +124,10 @@ class MTPHead(nn.Module):
         at pos..pos+T-1.
         """
         trunk = self.trunk
-        e = self.pre_fc_norm_embedding(trunk.embed(tokens))
-        h = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], -1))  # embedding first, hidden second
+        x = two_norms(trunk.embed, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, tokens, hidden)
+        if x is None:
+            x = torch.cat([self.pre_fc_norm_embedding(trunk.embed(tokens)), self.pre_fc_norm_hidden(hidden)], -1)
+        h = self.fc(x)  # embedding first, hidden second
         pos = trunk.positions(pos, h.shape[1])
         cos, sin = rope or trunk.rope(pos, h.shape[1])
         step = trunk.layer_step(pos)

@@ -92,6 +92,27 @@ if triton is not None:
         tl.store(out_ptr + row * D + cols, (x * rstd * (shift + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _two_norms_kernel(ids_ptr, table_ptr, h_ptr, we_ptr, wh_ptr, out_ptr, stride_t, stride_h, eps_e, eps_h,
+                          shift, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """The MTP head's input in one launch: out [rows, 2D] = [norm_e(table[ids[row]]), norm_h(h[row])], program
+        (row, 0) the embedding's half, (row, 1) the hidden's, each as _rms_norm_kernel computes it."""
+        after_previous(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        if tl.program_id(1) == 0:
+            src = table_ptr + tl.load(ids_ptr + row).to(tl.int64) * stride_t
+            w_ptr, eps = we_ptr, eps_e
+        else:
+            src = h_ptr + row * stride_h
+            w_ptr, eps = wh_ptr, eps_h
+        x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * 2 * D + tl.program_id(1) * D + cols,
+                 (x * rstd * (shift + w)).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, stride_x, stride_g, eps, D: tl.constexpr,
                                BLOCK: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False):
         """transformers' RMSNormGated (GDN's output norm), one program per row, in its order: the norm rounded to
@@ -148,6 +169,31 @@ def add_then_norm(norm, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Ten
         total = h + delta
         return total, norm(total)
     return launch_add(h, delta, norm.weight, _eps(norm), norm.norm_shift)
+
+
+def runs_kernel(module) -> bool:
+    """Whether this RMSNorm module's forward is the kernel's (installed after its self-check)."""
+    return getattr(getattr(module, "forward", None), "__func__", None) is _fused_forward
+
+
+def two_norms(embed, norm_e, norm_h, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+    """torch.cat([norm_e(embed(ids)), norm_h(hidden)], -1) in one launch (the MTP head's input: a gather, two norms
+    and a cat were four): ids [1, T], hidden [1, T, D] -> [1, T, 2D]. None where it does not apply: both norms
+    must run the kernel alike (runs_kernel), the embedding be a plain table on hidden's device and dtype, outside
+    torch.compile's tracing (inductor fuses the torch form)."""
+    table = getattr(embed, "weight", None)
+    D = hidden.shape[-1]
+    if (type(embed) is not torch.nn.Embedding or not (runs_kernel(norm_e) and runs_kernel(norm_h))
+            or norm_e.norm_shift != norm_h.norm_shift or table.device != hidden.device or table.dtype != hidden.dtype
+            or table.shape[1] != D or D > MAX_BLOCK or hidden.stride(-1) != 1 or torch.compiler.is_compiling()):
+        return None
+    T = hidden.shape[1]
+    out = torch.empty(1, T, 2 * D, device=hidden.device, dtype=hidden.dtype)
+    block = triton.next_power_of_2(D)
+    _two_norms_kernel[(T, 2)](ids.reshape(-1), table, hidden, norm_e.weight, norm_h.weight, out, table.stride(0),
+                              hidden.stride(1), float(_eps(norm_e)), float(_eps(norm_h)), float(norm_e.norm_shift),
+                              D=D, BLOCK=block, num_warps=_num_warps(block), **pdl(hidden))
+    return out
 
 
 def launch_add(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, shift: float):

@@ -152,7 +152,7 @@ def qk_norms(attn):
     from . import norm_triton
 
     qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    if not all(getattr(getattr(m, "forward", None), "__func__", None) is norm_triton._fused_forward for m in (qn, kn)):
+    if not (norm_triton.runs_kernel(qn) and norm_triton.runs_kernel(kn)):
         return None
     eps, shift = norm_triton._eps(qn), qn.norm_shift
     if eps is None or (norm_triton._eps(kn), kn.norm_shift) != (eps, shift) or qn.weight.shape != kn.weight.shape:

@@ -303,6 +303,7 @@ def test_the_diagnostics_name_the_gated_norms_kernel(device, installable):  # (i
     ("_rms_norm_kernel", ("x_ptr", "w_ptr", "out_ptr"), {"D": 128, "BLOCK": 128}),
     ("_add_rms_norm_kernel", ("h_ptr", "d_ptr", "w_ptr", "sum_ptr", "out_ptr"), {"D": 5120, "BLOCK": 8192}),
     ("_gated_rms_norm_kernel", ("x_ptr", "g_ptr", "w_ptr", "out_ptr"), {"D": 128, "BLOCK": 128, "ROUND": True}),
+    ("_two_norms_kernel", ("table_ptr", "h_ptr", "we_ptr", "wh_ptr", "out_ptr"), {"D": 5120, "BLOCK": 8192}),
 ])
 def test_the_kernels_compile_for_a_gpu(kernel, pointers, constants):
     """Triton's interpreter never type-checks as the compiler does (tests/triton_front.py): each norm kernel
@@ -310,5 +311,32 @@ def test_the_kernels_compile_for_a_gpu(kernel, pointers, constants):
     pytest.importorskip("triton")
     from triton_front import compile_for_gpu
 
-    compile_for_gpu("engine.norm_triton", kernel, {p: "*bf16" for p in pointers} | {"eps": "fp32", "shift": "fp32"},
+    compile_for_gpu("engine.norm_triton", kernel, {p: "*bf16" for p in pointers}
+                    | {"eps": "fp32", "eps_e": "fp32", "eps_h": "fp32", "shift": "fp32", "ids_ptr": "*i64"},
                     constants | {"PDL": True}, num_warps=norm_triton._num_warps(constants["BLOCK"]))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_norms_is_the_mtp_heads_gather_norms_and_cat_in_one_launch(device, installable, dtype):
+    """The MTP head's input [norm_e(embed(ids)), norm_h(hidden)]: one launch equal to the installed norms' kernels
+    and the cat, bit for bit; the torch form (None) where a norm does not run the kernel or the embedding is not a
+    plain table."""
+    from engine.norm_triton import two_norms
+
+    embed = torch.nn.Embedding(100, 256).to(device=device, dtype=dtype)
+    norm_e, norm_h = qwen3_next_norm(256, dtype, device), qwen3_next_norm(256, dtype, device)
+    with torch.no_grad():
+        norm_h.weight.mul_(-2)  # (two different weights)
+    ids = torch.tensor([[3, 99, 0, 3]], device=device)
+    hidden = randn(1, 4, 256, dtype=dtype, device=device)
+    assert two_norms(embed, norm_e, norm_h, ids, hidden) is None  # (not installed yet)
+    installable([norm_e, norm_h], dtype)
+    with torch.inference_mode():
+        got = two_norms(embed, norm_e, norm_h, ids, hidden)
+        want = torch.cat([norm_e(embed(ids)), norm_h(hidden)], -1)
+        assert got is not None and got.dtype == dtype and torch.equal(got, want)
+        one = two_norms(embed, norm_e, norm_h, ids[:, 1:2], hidden[:, 1:2])  # (a draft step's one row)
+        assert torch.equal(one, want[:, 1:2])
+        wrapped = torch.nn.Sequential(embed)  # (a host or vocab-parallel embedding: not a plain table)
+        assert two_norms(wrapped, norm_e, norm_h, ids, hidden) is None

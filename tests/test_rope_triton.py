@@ -204,8 +204,9 @@ def test_rotate_and_store_with_the_qk_norms_is_the_norm_kernel_then_the_rotation
 
 def test_the_engine_decodes_exactly_with_the_qk_norms_in_the_rotation(ckpt, device, monkeypatch):
     """The same with norm_triton's kernel allowed too: every graph-mode attention layer (the trunk's and the MTP
-    head's) normalises its queries and keys inside the rotation's launch, and decoding stays exact."""
-    from engine import load_engine, norm_triton
+    head's) normalises its queries and keys inside the rotation's launch, the MTP head's input is one launch
+    (norm_triton.two_norms), and decoding stays exact."""
+    from engine import load_engine, mtp, norm_triton
 
     monkeypatch.setattr(rope_triton, "supported", lambda device, dtype: None)
     monkeypatch.setattr(norm_triton, "_why_not", lambda device, dtype: None)  # (float32: the exact path otherwise)
@@ -213,11 +214,15 @@ def test_the_engine_decodes_exactly_with_the_qk_norms_in_the_rotation(ckpt, devi
     store = rope_triton.rotate_and_store
     monkeypatch.setattr(rope_triton, "rotate_and_store",
                         lambda *a, **kw: fused.append(a[8] if len(a) > 8 else kw.get("norms")) or store(*a, **kw))
+    inputs = []
+    two_norms = mtp.two_norms
+    monkeypatch.setattr(mtp, "two_norms", lambda *a: inputs.append(two_norms(*a)) or inputs[-1])
     engine = load_engine(str(ckpt("next")), device=str(device), dtype="float32", cuda_graphs=True)
     assert engine.trunk.backends.rope == "triton" and engine.trunk.backends.choice["rmsnorm"][0] == "triton"
     fused.clear()  # (the self-check's calls at load: without norms too)
 
     def ran():
         assert fused and all(n is not None for n in fused), fused[:4]
+        assert inputs and all(x is not None for x in inputs)
 
     assert_exact_with_kernel(engine, ckpt("next"), device, ran)
