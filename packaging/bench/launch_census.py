@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from engine import (GenerationSettings, conv_triton, cycle_triton, gdn, kernels,  # noqa: E402
-                    load_engine, norm_triton, rope_triton, swiglu_triton)
+                    load_engine, mtp, norm_triton, rope_triton, swiglu_triton)
 from engine.events import Cycle  # noqa: E402
 
 NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "transpose", "t", "unsqueeze", "squeeze", "expand", "permute",
@@ -63,18 +63,22 @@ class Census(TorchDispatchMode):
 census = None
 
 
-def one_launch(kernel, name: str):
-    """A kernel's wrapper: one launch, whatever torch ops the interpreter (or the torch reference) runs inside."""
+def one_launch(kernel, name: str, maybe: bool = False):
+    """A kernel's wrapper: one launch, whatever torch ops the interpreter (or the torch reference) runs inside.
+    maybe: none where it returns None without launching (norm_triton.two_norms: the torch form's ops count)."""
     def run(*args, **kwargs):
         if census is not None:
-            census.launches += 1
-            census.ops[name] += 1
             census.inside += 1
+        out = None
         try:
-            return kernel(*args, **kwargs)
+            out = kernel(*args, **kwargs)
+            return out
         finally:
             if census is not None:
                 census.inside -= 1
+                if out is not None or not maybe:
+                    census.launches += 1
+                    census.ops[name] += 1
     return run
 
 
@@ -90,6 +94,7 @@ for name in ("table", "rotate"):
     setattr(rope_triton, name, one_launch(getattr(rope_triton, name), f"rope_{name}"))
 swiglu_triton.swiglu = one_launch(swiglu_triton.swiglu, "swiglu")
 rope_triton.rotate_and_store = one_launch(rope_triton.rotate_and_store, "rope_rotate_and_store")
+mtp.two_norms = one_launch(mtp.two_norms, "two_norms", maybe=True)
 for name in ("settle", "first_rows_", "accept"):
     setattr(cycle_triton, name, one_launch(getattr(cycle_triton, name), name))
 
