@@ -22,7 +22,7 @@ from .modules import quantize_like_releases
 from .fp8_triton import install as install_fp8
 from .cpu_linear import install as install_cpu_linear
 from .linear16_triton import install as install_linear16
-from .norm_triton import add_then_norm, install as install_norms, two_norms
+from .norm_triton import add_then_norm, install as install_norms, two_norms, two_norms_check
 
 
 class MTPUnusable(EngineError):
@@ -40,6 +40,7 @@ class MTPHead(nn.Module):
         self.norm = norm_cls(H, eps=eps)
         self.layers = nn.ModuleList([layer_cls(config, 0) for _ in range(n_layers)])
         self.trunk = None  # set by build(); not a submodule (its weights belong to the trunk)
+        self.one_launch_input = False  # norm_triton.two_norms for the input (attach decides)
 
     @staticmethod
     def layer_config(config, has_experts: bool):
@@ -106,6 +107,8 @@ class MTPHead(nn.Module):
         install_cpu_linear(self.modules(), trunk.device, trunk.dtype)  # its float32 ones (model.choose_cpu_linear)
         int4.choose(None, self.modules(), trunk.device, trunk.dtype)  # and its 4-bit ones
         swiglu_triton.install(None, self.modules(), trunk.device, trunk.dtype)  # its MLP's activation
+        # its input (the embedding's gather, both norms, the cat) in one launch where that equals the torch form
+        self.one_launch_input = two_norms_check(trunk.embed, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden)
         return self
 
     def new_cache(self) -> KVCache:
@@ -124,7 +127,8 @@ class MTPHead(nn.Module):
         at pos..pos+T-1.
         """
         trunk = self.trunk
-        x = two_norms(trunk.embed, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, tokens, hidden)
+        x = (two_norms(trunk.embed, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, tokens, hidden)
+             if self.one_launch_input else None)
         if x is None:
             x = torch.cat([self.pre_fc_norm_embedding(trunk.embed(tokens)), self.pre_fc_norm_hidden(hidden)], -1)
         h = self.fc(x)  # embedding first, hidden second

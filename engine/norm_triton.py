@@ -196,6 +196,23 @@ def two_norms(embed, norm_e, norm_h, ids: torch.Tensor, hidden: torch.Tensor) ->
     return out
 
 
+def two_norms_check(embed, norm_e, norm_h) -> bool:
+    """Whether two_norms applies to this head and equals its torch form bit for bit on a few rows of random
+    hiddens (MTPHead.attach; a failure of any kind: the torch form stays)."""
+    table = getattr(embed, "weight", None)
+    if table is None:
+        return False
+    gen = torch.Generator(device=table.device).manual_seed(0)
+    ids = torch.randint(0, table.shape[0], (1, 4), generator=gen, device=table.device)
+    hidden = torch.randn(1, 4, table.shape[1], generator=gen, device=table.device).to(table.dtype)
+    try:
+        with torch.no_grad():
+            got = two_norms(embed, norm_e, norm_h, ids, hidden)
+            return got is not None and torch.equal(got, torch.cat([norm_e(embed(ids)), norm_h(hidden)], -1))
+    except Exception:
+        return False
+
+
 def launch_add(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, shift: float):
     """add_then_norm's kernel: (h + delta, its RMSNorm), contiguous tensors of h's shape and dtype (D up to
     MAX_BLOCK)."""
