@@ -623,10 +623,10 @@ stop66)  # stop 66 (under 10 minutes): q_norm / k_norm in rope's launch (its GPU
   gpu_tests 100 "$OUT/gpu_tests_stop66.log" tests/test_rope_triton.py -k "qk_norms or store or rotation"
   timeout 170 python3 packaging/bench/auto_overhead.py 2>&1 | tail -2
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    BENCH_TIMEOUT=$((560 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 \
+    BENCH_TIMEOUT=$((520 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 \
         --drafter oracle --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_compile66_h200.json" \
         | grep -E "none|oracle|HBM|rror"
-    [ $SECONDS -lt 420 ] && BENCH_TIMEOUT=$((585 - SECONDS)) bench --random-weights qwen3.5-27b --compile --depths 0,3 \
+    [ $SECONDS -lt 380 ] && BENCH_TIMEOUT=$((540 - SECONDS)) bench --random-weights qwen3.5-27b --compile --depths 0,3 \
         --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_compile66_h200.json" \
         | grep -E "none|oracle|HBM|rror"
   else
