@@ -87,6 +87,7 @@
 #   bash packaging/bench/h200.sh auto65    # auto's plain cycles against plain decoding on the demo (auto_overhead.py)
 #   bash packaging/bench/h200.sh stop66    # stop 66: auto_overhead.py (plain picks held); then on an H200 fp8x62's records,
 #                                         # elsewhere the demo's rows at depths 0-3 and auto
+#   bash packaging/bench/h200.sh stop66b   # the same's first two parts alone (under 5 minutes)
 #   bash packaging/bench/h200.sh stop64    # stop 64: the demo with its GDN projections in order at load and the split-K
 #                                         # attention's merge kernel (its choice, rows, cycle profile, GPU tests)
 #   bash packaging/bench/h200.sh fp8x62    # stop 62 (H200 only): the whole 80B-A3B in FP8 --compile (the rope table now
@@ -633,6 +634,10 @@ stop66)  # stop 66 (under 10 minutes): q_norm / k_norm in rope's launch (its GPU
     BENCH_TIMEOUT=$((400 - SECONDS)) bench --model engine/assets/demo --depths 0,1,2,3,auto --drafter mtp \
         --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_stop66.json" | grep -E "auto|mtp|none|rror"
   fi
+  ;;
+stop66b)  # stop 66 in under 5 minutes: rope's GPU tests (q_norm / k_norm in its launch), then auto_overhead.py
+  gpu_tests 90 "$OUT/gpu_tests_stop66.log" tests/test_rope_triton.py -k "qk_norms or store or rotation"
+  timeout 170 python3 packaging/bench/auto_overhead.py 2>&1 | tail -2
   ;;
 auto65)  # stop 65's question (under 3 minutes): where --depth auto's plain cycles lose 8% to plain decoding on the
   # demo model (the chooser's host time or the drafter's keep of each step's hidden)
