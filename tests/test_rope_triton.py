@@ -77,13 +77,9 @@ def test_the_rotation_is_apply_ropes(device, dtype, factor, T):
     assert not rope_triton.rotatable(q.expand(2, -1, -1, -1), k, cos)  # (batch 2: the torch form)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 4])
-def test_rotate_and_store_is_the_rotation_and_the_cache_writes(device, dtype, T):
-    """Graph mode's one launch: the queries as rotate() gives them, the rotated keys and the values in one layer's
-    cache at the positions (as cache.kv_write_at's index_put puts them), every other position untouched."""
-    from engine.cache import kv_write_at
-
+def store_inputs(device, dtype, T: int):
+    """rotate_and_store's inputs at T tokens: (generator, positions, cos, sin, q strided as attention makes it, k, v,
+    a layer's cache keys and values of 64 positions)."""
     rot, _ = rotary(device)
     gen = torch.Generator(device=device).manual_seed(T)
     positions = torch.arange(37, 37 + T, device=device)
@@ -92,6 +88,17 @@ def test_rotate_and_store_is_the_rotation_and_the_cache_writes(device, dtype, T)
     q = qg[..., :64].transpose(1, 2)
     k, v = ((torch.randn(1, T, 2, 64, generator=gen, device=device) * 3).to(dtype).transpose(1, 2) for _ in range(2))
     keys, values = (torch.randn(2, 64, 64, generator=gen, device=device).to(dtype) for _ in range(2))
+    return gen, positions, cos, sin, q, k, v, keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4])
+def test_rotate_and_store_is_the_rotation_and_the_cache_writes(device, dtype, T):
+    """Graph mode's one launch: the queries as rotate() gives them, the rotated keys and the values in one layer's
+    cache at the positions (as cache.kv_write_at's index_put puts them), every other position untouched."""
+    from engine.cache import kv_write_at
+
+    gen, positions, cos, sin, q, k, v, keys, values = store_inputs(device, dtype, T)
     want_keys, want_values = keys.clone(), values.clone()
     assert rope_triton.storable(q, k, v, cos, keys, values)
     q_got = rope_triton.rotate_and_store(q, k, v, cos, sin, keys, values, positions)
@@ -180,15 +187,8 @@ def test_rotate_and_store_with_the_qk_norms_is_the_norm_kernel_then_the_rotation
     norm: half of q_proj's rows), zero-centred weights and plain ones."""
     from engine import norm_triton
 
-    rot, _ = rotary(device)
-    gen = torch.Generator(device=device).manual_seed(T)
-    positions = torch.arange(37, 37 + T, device=device)
-    cos, sin = rot(positions.unsqueeze(0), dtype)
-    qg = (torch.randn(1, T, 6, 128, generator=gen, device=device) * 3).to(dtype)
-    q = qg[..., :64].transpose(1, 2)
-    k, v = ((torch.randn(1, T, 2, 64, generator=gen, device=device) * 3).to(dtype).transpose(1, 2) for _ in range(2))
+    gen, positions, cos, sin, q, k, v, keys, values = store_inputs(device, dtype, T)
     wq, wk = ((torch.randn(64, generator=gen, device=device) * 0.2 + 1 - shift).to(dtype) for _ in range(2))
-    keys, values = (torch.randn(2, 64, 64, generator=gen, device=device).to(dtype) for _ in range(2))
     want_keys, want_values = keys.clone(), values.clone()
     q_got = rope_triton.rotate_and_store(q, k, v, cos, sin, keys, values, positions, (wq, wk, 1e-6, shift))
     q_normed, k_normed = (norm_triton.rms_norm(x, w, 1e-6, shift).transpose(1, 2)
