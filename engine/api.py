@@ -402,12 +402,19 @@ class Engine:
                     labels = parts.label(out, pieces)
                     ms = (time.perf_counter() - t_cycle) * 1e3
                     parts.cycle(part, stats.drafted, stats.accepted, ms)
+                    # A plain cycle whose call also launched the drafting cycle after it (a depth change: with
+                    # graphs the next cycle is launched before this call returns, the head's catch-up, draft and
+                    # verify on the host) took more than plain decoding costs: not a plain cost to go by. Taken as
+                    # one, each switch raised plain's running cost by up to WEIGHT times the launch, and drafting
+                    # looked cheaper next to it (the demo model on an H100, stop 66: auto 0.885-0.931 of plain,
+                    # drafting a quarter to two thirds of its cycles, where a constant chooser ran 1.0)
+                    cost_ms = None if stats.depth == 0 and depth > 0 else ms
                     if auto:
-                        chooser.observe(stats.depth, stats.accepted_per_position, ms)
+                        chooser.observe(stats.depth, stats.accepted_per_position, cost_ms)
                         stats.why = chooser.why + (f"; stopped after draft {stats.depth}" if stats.stopped else "")
                         chosen[stats.depth] = chosen.get(stats.depth, 0) + 1
                     else:  # (what a cycle at this depth costs, for the next reply at depth auto)
-                        chooser.observe_cost(stats.depth, ms)
+                        chooser.observe_cost(stats.depth, cost_ms)
                     if stats.drafted and getattr(drafter, "note", None):  # --drafter auto: which drafted, why
                         stats.why = f"{drafter.note}; {stats.why}" if stats.why else drafter.note
                     yield stats

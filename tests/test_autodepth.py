@@ -411,3 +411,23 @@ def test_a_held_plain_pick_decides_as_reading_the_estimates_every_cycle_would(mo
             assert read_every == 400 and (read_held < 400) == (held.count(0) > 2 * PROBE_EVERY), (name, p)
             held_somewhere |= read_held < 400 // 4
     assert held_somewhere  # (at acceptance 0 fewer than one pick in four reads the estimates)
+
+
+def test_a_plain_cycle_that_launched_a_drafting_one_is_not_a_plain_cost(ckpt, monkeypatch):
+    """With graphs (here graphs.Rerun, the CPU's stand-in) the call that finishes a cycle launches the next one;
+    where the depth rises from 0 that is the head's catch-up, draft and verify, launched by the host. That call's
+    time is not plain decoding's cost: taken as one, each switch raised plain's running cost, and drafting looked
+    cheaper next to it. The chooser gets no cost for it (None); every other cycle's time it gets."""
+    from engine import load_engine
+
+    engine = load_engine(str(ckpt("next")), device="cpu", dtype="float32", cuda_graphs=True)
+    prompt = engine.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
+    seen = []
+    monkeypatch.setattr(DepthChooser, "observe_cost", lambda self, depth, ms: seen.append((depth, ms)))
+    control = DecodeControl(0)
+    for ev in engine.generate(prompt, GenerationSettings(max_new_tokens=24, depth=0, ignore_eos=True), control):
+        if isinstance(ev, Cycle) and ev.index == 4:
+            control.depth = 2  # (the next call finishes a plain cycle and launches a depth-2 one)
+    plain = [ms for depth, ms in seen if depth == 0]
+    assert plain[:4] == [ms for ms in plain[:4] if ms is not None] and len(plain) == 5 and plain[4] is None, seen
+    assert all(ms is not None for depth, ms in seen if depth == 2) and any(depth == 2 for depth, _ in seen)

@@ -51,6 +51,8 @@ res["auto_constant_chooser"] = run("auto_constant_chooser", "auto")
 autodepth.DepthChooser.pick, autodepth.DepthChooser.observe = pick, observe
 res["plain_again"] = run("plain_again", 0)
 res["auto_depths_last_reply"] = depths
+res["auto_estimates"] = {name: {"cost": {str(k): v for k, v in est.get("cost", {}).items()},
+                                "switch_ms": est.get("switch_ms")} for name, est in e.auto_estimates.items()}
 for label, depth in (("plain", 0), ("auto", "auto")):  # (cProfile slows the loop: its shares, not its rates)
     prof = cProfile.Profile()
     prof.enable()
