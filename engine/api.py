@@ -408,9 +408,12 @@ class Engine:
                     # one, each switch raised plain's running cost by up to WEIGHT times the launch, and drafting
                     # looked cheaper next to it (the demo model on an H100, stop 66: auto 0.885-0.931 of plain,
                     # drafting a quarter to two thirds of its cycles, where a constant chooser ran 1.0)
-                    cost_ms = None if stats.depth == 0 and depth > 0 else ms
+                    launched = stats.depth == 0 and depth > 0
+                    cost_ms = None if launched else ms
                     if auto:
                         chooser.observe(stats.depth, stats.accepted_per_position, cost_ms)
+                        if launched:  # (the switch's: DepthChooser.observe_launch)
+                            chooser.observe_launch(ms)
                         stats.why = chooser.why + (f"; stopped after draft {stats.depth}" if stats.stopped else "")
                         chosen[stats.depth] = chosen.get(stats.depth, 0) + 1
                     else:  # (what a cycle at this depth costs, for the next reply at depth auto)

@@ -127,6 +127,7 @@ class DepthChooser:
     # (every ~50 cycles) made 3% of a reply (auto 0.96x plain where plain was 0.97 of the best depth)
     switch_ms: float | None = None
     held: int = 0  # plain picks left to hand out without reading the estimates (hold)
+    launched_ms: float = 0.0  # what launching the drafting cycle after a plain one took its call (observe_launch)
 
     def __post_init__(self):
         self.acceptance = [PRIOR_ACCEPTANCE] * self.max_depth
@@ -308,12 +309,21 @@ class DepthChooser:
         """ms, or None where it paid for something once (OUTLIER times the cheapest depth's cost)."""
         return None if ms is None or self.cost and ms > OUTLIER * min(self.cost.values()) else ms
 
-    def observe_switch(self, depth: int, ms: float | None) -> None:
-        """A drafting cycle after plain ones: what it took over its depth's cost is the switch's (switch_ms)."""
+    def observe_launch(self, ms: float | None) -> None:
+        """A plain cycle whose call also launched the drafting cycle after it (with graphs the next cycle is
+        launched before the call returns: the head's catch-up, draft and verify, on the host): not plain decoding's
+        cost (the engine observes it without one), and what it took over that cost is the switch's, added to the
+        drafting cycle's own extra (observe_switch)."""
         ms = self.usable(ms)
+        self.launched_ms = max(ms - self.cost[0], 0.0) if ms is not None and 0 in self.cost else 0.0
+
+    def observe_switch(self, depth: int, ms: float | None) -> None:
+        """A drafting cycle after plain ones: what it took over its depth's cost is the switch's (switch_ms), with
+        what launching it took the call before (observe_launch)."""
+        ms, launched, self.launched_ms = self.usable(ms), self.launched_ms, 0.0
         if ms is None or not self.cost:  # (no cost measured yet to take it over)
             return
-        extra = max(ms - self.costs()[depth], 0.0)
+        extra = max(ms - self.costs()[depth], 0.0) + launched
         self.switch_ms = extra if self.switch_ms is None else self.switch_ms + WEIGHT * (extra - self.switch_ms)
 
     def observe_cost(self, depth: int, ms: float | None) -> None:
