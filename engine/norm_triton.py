@@ -176,16 +176,22 @@ def runs_kernel(module) -> bool:
     return getattr(getattr(module, "forward", None), "__func__", None) is _fused_forward
 
 
+def two_norms_fit(embed, norm_e, norm_h) -> bool:
+    """Whether two_norms can serve this head at all, decided once (two_norms_check): both norms run the kernel
+    alike (runs_kernel) and the embedding is a plain table no wider than the kernel's block."""
+    return (type(embed) is torch.nn.Embedding and runs_kernel(norm_e) and runs_kernel(norm_h)
+            and norm_e.norm_shift == norm_h.norm_shift and embed.weight.shape[1] <= MAX_BLOCK)
+
+
 def two_norms(embed, norm_e, norm_h, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
     """torch.cat([norm_e(embed(ids)), norm_h(hidden)], -1) in one launch (the MTP head's input: a gather, two norms
-    and a cat were four): ids [1, T], hidden [1, T, D] -> [1, T, 2D]. None where it does not apply: both norms
-    must run the kernel alike (runs_kernel), the embedding be a plain table on hidden's device and dtype, outside
-    torch.compile's tracing (inductor fuses the torch form)."""
-    table = getattr(embed, "weight", None)
+    and a cat were four): ids [1, T], hidden [1, T, D] -> [1, T, 2D], for a head two_norms_fit. None where hidden
+    is not laid out as the table (device, dtype, width, unit stride) or torch.compile traces (inductor fuses the
+    torch form)."""
+    table = embed.weight
     D = hidden.shape[-1]
-    if (type(embed) is not torch.nn.Embedding or not (runs_kernel(norm_e) and runs_kernel(norm_h))
-            or norm_e.norm_shift != norm_h.norm_shift or table.device != hidden.device or table.dtype != hidden.dtype
-            or table.shape[1] != D or D > MAX_BLOCK or hidden.stride(-1) != 1 or torch.compiler.is_compiling()):
+    if (table.device != hidden.device or table.dtype != hidden.dtype or table.shape[1] != D
+            or hidden.stride(-1) != 1 or torch.compiler.is_compiling()):
         return None
     T = hidden.shape[1]
     out = torch.empty(1, T, 2 * D, device=hidden.device, dtype=hidden.dtype)
@@ -197,11 +203,11 @@ def two_norms(embed, norm_e, norm_h, ids: torch.Tensor, hidden: torch.Tensor) ->
 
 
 def two_norms_check(embed, norm_e, norm_h) -> bool:
-    """Whether two_norms applies to this head and equals its torch form bit for bit on a few rows of random
-    hiddens (MTPHead.attach; a failure of any kind: the torch form stays)."""
-    table = getattr(embed, "weight", None)
-    if table is None:
+    """Whether two_norms serves this head: it fits (two_norms_fit) and equals the torch form bit for bit on a few
+    rows of random hiddens (MTPHead.attach; a failure of any kind: the torch form stays)."""
+    if not two_norms_fit(embed, norm_e, norm_h):
         return False
+    table = embed.weight
     gen = torch.Generator(device=table.device).manual_seed(0)
     ids = torch.randint(0, table.shape[0], (1, 4), generator=gen, device=table.device)
     hidden = torch.randn(1, 4, table.shape[1], generator=gen, device=table.device).to(table.dtype)

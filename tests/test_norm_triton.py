@@ -320,9 +320,9 @@ def test_the_kernels_compile_for_a_gpu(kernel, pointers, constants):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_two_norms_is_the_mtp_heads_gather_norms_and_cat_in_one_launch(device, installable, dtype):
     """The MTP head's input [norm_e(embed(ids)), norm_h(hidden)]: one launch equal to the installed norms' kernels
-    and the cat, bit for bit; the torch form (None) where a norm does not run the kernel or the embedding is not a
-    plain table."""
-    from engine.norm_triton import two_norms
+    and the cat, bit for bit; it does not fit (two_norms_fit) where a norm does not run the kernel or the embedding
+    is not a plain table."""
+    from engine.norm_triton import two_norms, two_norms_check, two_norms_fit
 
     embed = torch.nn.Embedding(100, 256).to(device=device, dtype=dtype)
     norm_e, norm_h = qwen3_next_norm(256, dtype, device), qwen3_next_norm(256, dtype, device)
@@ -330,8 +330,9 @@ def test_two_norms_is_the_mtp_heads_gather_norms_and_cat_in_one_launch(device, i
         norm_h.weight.mul_(-2)  # (two different weights)
     ids = torch.tensor([[3, 99, 0, 3]], device=device)
     hidden = randn(1, 4, 256, dtype=dtype, device=device)
-    assert two_norms(embed, norm_e, norm_h, ids, hidden) is None  # (not installed yet)
+    assert not two_norms_fit(embed, norm_e, norm_h) and not two_norms_check(embed, norm_e, norm_h)  # (not installed)
     installable([norm_e, norm_h], dtype)
+    assert two_norms_check(embed, norm_e, norm_h)
     with torch.inference_mode():
         got = two_norms(embed, norm_e, norm_h, ids, hidden)
         want = torch.cat([norm_e(embed(ids)), norm_h(hidden)], -1)
@@ -339,4 +340,5 @@ def test_two_norms_is_the_mtp_heads_gather_norms_and_cat_in_one_launch(device, i
         one = two_norms(embed, norm_e, norm_h, ids[:, 1:2], hidden[:, 1:2])  # (a draft step's one row)
         assert torch.equal(one, want[:, 1:2])
         wrapped = torch.nn.Sequential(embed)  # (a host or vocab-parallel embedding: not a plain table)
-        assert two_norms(wrapped, norm_e, norm_h, ids, hidden) is None
+        assert not two_norms_fit(wrapped, norm_e, norm_h)
+        assert two_norms(embed, norm_e, norm_h, ids, hidden.float() if dtype != torch.float32 else hidden.half()) is None
