@@ -2,7 +2,7 @@
 252 cycles plain): tok/s (median of 5) at depth 0, at auto (plain picks held until the next probe could be due,
 autodepth.HOLD_MAX), at auto reading the estimates every cycle (HOLD_MAX 0, stop 65's chooser), and at auto with the
 chooser's pick and observe replaced by constants (what is left: the drafter's keep of each step's hidden, the loop's
-bookkeeping), then depth 0 again; the depths auto picked; then the host's Python per token, plain and auto (cProfile:
+bookkeeping), then depth 0 again; the depths auto picked and its last reply's cycles (when, depth, tokens, why); then the host's Python per token, plain and auto (cProfile:
 the functions with the most time of their own). On a GPU (h200.sh auto65); writes
 $OUT/auto_overhead_<gpu>.json.
 
@@ -17,25 +17,29 @@ import time
 
 import torch
 from engine import GenerationSettings, load_engine
+from engine.events import Cycle
 from engine import autodepth
 
 e = load_engine("engine/assets/demo", device="cuda")
 prompt = e.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
 e.warm_up(depths=[0, 1, 2, 3, 4])
 
-depths = {}
+depths, traces = {}, {}
 
 
 def run(label, depth, n=256, reps=5):
     out = []
     for _ in range(reps + 1):
         torch.cuda.synchronize(); t = time.perf_counter()
-        k = 0
+        k, trace = 0, []
         for ev in e.generate(prompt, GenerationSettings(max_new_tokens=n, depth=depth, ignore_eos=True)):
             k += len(getattr(ev, "token_ids", ()))
+            if isinstance(ev, Cycle):  # (the host's clock at each cycle's event: with graphs a cycle ahead)
+                trace.append((round((time.perf_counter() - t) * 1e3, 3), ev.depth, ev.committed, ev.why))
             if hasattr(ev, "stats") and isinstance(ev.stats, dict):
                 depths[label] = ev.stats.get("auto_depths")
         torch.cuda.synchronize(); out.append(k / (time.perf_counter() - t))
+        traces[label] = trace
     return sorted(out[1:])[len(out[1:]) // 2]
 
 
@@ -51,6 +55,7 @@ res["auto_constant_chooser"] = run("auto_constant_chooser", "auto")
 autodepth.DepthChooser.pick, autodepth.DepthChooser.observe = pick, observe
 res["plain_again"] = run("plain_again", 0)
 res["auto_depths_last_reply"] = depths
+res["auto_trace_last_reply"] = traces["auto"]  # (ms since the reply began, depth, tokens committed, why)
 res["auto_estimates"] = {name: {"cost": {str(k): v for k, v in est.get("cost", {}).items()},
                                 "switch_ms": est.get("switch_ms")} for name, est in e.auto_estimates.items()}
 for label, depth in (("plain", 0), ("auto", "auto")):  # (cProfile slows the loop: its shares, not its rates)
