@@ -40,10 +40,15 @@ PROBE_EVERY = 16
 # draft rejected, its extra cost), PROBE_EVERY cycles at the least, PROBE_MAX at the most. The
 # 27B on the H200 (14.9 ms plain, 16.2 depth 1, 16.4-16.8 deeper): every 16 cycles as before. The demo model on a
 # 2-core CPU (8.2 ms plain, 14.0 depth 1): every 16 cycles a probe from plain decoding cost 4% of a reply whose
-# drafts were all rejected (auto_sim --costs cpu-demo, flat 0: auto 0.942 of plain); now every 64 once the
-# position has been judged MIN_JUDGED times (0.964; every PROBE_UNSURE cycles before that, below)
+# drafts were all rejected (auto_sim --costs cpu-demo, flat 0: auto 0.942 of plain); now every ~70 once the
+# position has been judged MIN_JUDGED times (0.964; every PROBE_UNSURE cycles before that, below). The demo model
+# on an H100 (0.165 ms plain, 0.35 depth 1, 0.37 of switch): a probe from plain decoding costs over 3 plain steps,
+# and at PROBE_MAX = 64 the cap, not the share, spaced them: 5% of a reply whose drafts were all rejected (auto_sim
+# --costs h100-demo-67 --switch-ms 0.37 --known-costs, 256 tokens, 500 seeds: flat 0 0.923 -> 0.946 of plain at
+# 128; flat 0.5 0.935 -> 0.958; the demo head's profile 0.959 -> 0.972; hard text turning easy every 32 tokens
+# 0.931 -> 0.955; the realistic profile 0.973 -> 0.971; the 27B's H200 and the demo's CPU costs unchanged)
 PROBE_SHARE = 0.01
-PROBE_MAX = 4 * PROBE_EVERY
+PROBE_MAX = 8 * PROBE_EVERY
 # a position judged fewer than MIN_JUDGED times is probed every PROBE_UNSURE cycles, whatever it costs: its
 # estimate rests on a cycle or two (one rejection at a reply's start put position 1 at 0.3 and held plain decoding
 # at the demo's CPU costs for PROBE_MAX cycles: auto_sim --costs cpu-demo --known-costs at 0.92/0.84/0.65/0.54 fell

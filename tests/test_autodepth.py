@@ -1,5 +1,6 @@
 """--depth auto: the chooser as a pure decision on acceptance and cost, and auto decoding lossless."""
 
+import math
 import pytest
 
 from engine import AUTO, DecodeControl, GenerationSettings
@@ -148,7 +149,9 @@ def test_probes_are_spaced_by_what_they_cost_over_the_chosen_depth():
     h200 = {0: 14.86, 1: 16.2, 2: 16.4, 3: 16.35, 4: 16.8}
     between = {0: 10.0, 1: 12.0, 2: 13.0, 3: 14.0, 4: 15.0}  # a probe 2 ms over 10: due after 200 ms, 20 cycles
     n = 4 * PROBE_MAX
-    for cost, every in ((cpu, PROBE_MAX), (h200, PROBE_EVERY), (between, round(2.0 / (PROBE_SHARE * 10.0)))):
+    dear = (cpu, math.ceil(5.8 / (PROBE_SHARE * 8.2)))  # (a probe 5.8 ms over 8.2: due after 580 ms, 71 cycles)
+    capped = ({0: 1.0, 1: 4.0, 2: 4.2, 3: 4.4, 4: 4.6}, PROBE_MAX)  # (3 ms over 1: after 300 ms, past the cap)
+    for cost, every in (dear, capped, (h200, PROBE_EVERY), (between, round(2.0 / (PROBE_SHARE * 10.0)))):
         c = DepthChooser(4, cost=dict(cost))
         mid_reply(c, [0.0] * 4)  # every draft rejected so far
         picks = []
@@ -191,7 +194,7 @@ def test_a_probe_from_plain_decoding_pays_the_switch_and_is_spaced_by_it():
     mid_reply(c, [0.6, 0.3, 0.6, 0.6])  # depth 1 breaks even at 0.74
     assert c.probe_loss(0, c.costs()) == pytest.approx(0.80 + 0.33 - 0.46 * 1.6)
     assert c.probe_loss(1, c.costs()) == pytest.approx(0.95 - 0.80 / 1.6 * (1.6 + 0.18))  # (no switch: drafting)
-    for switch_ms, every in ((0.33, PROBE_MAX), (None, PROBE_EVERY)):
+    for switch_ms, every in ((0.33, math.ceil((0.80 + 0.33 - 0.46 * 1.6) / (PROBE_SHARE * 0.46))), (None, PROBE_EVERY)):
         c.switch_ms, c.since_probe, c.since_probe_ms = switch_ms, 0, 0.0
         picks = [c.probe(0) for _ in range(2 * PROBE_MAX)]
         assert [i for i, d in enumerate(picks) if d] == list(range(every - 1, 2 * PROBE_MAX, every)), switch_ms

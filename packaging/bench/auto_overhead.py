@@ -1,9 +1,10 @@
-"""Where --depth auto's plain cycles lose to plain decoding on the demo model (0.92x on an H100 in stop 65, 245 of
-252 cycles plain): tok/s (median of 5) at depth 0, at auto (plain picks held until the next probe could be due,
-autodepth.HOLD_MAX), at auto reading the estimates every cycle (HOLD_MAX 0, stop 65's chooser), and at auto with the
-chooser's pick and observe replaced by constants (what is left: the drafter's keep of each step's hidden, the loop's
-bookkeeping), then depth 0 again; the depths auto picked and its last reply's cycles (when, depth, tokens, why); then the host's Python per token, plain and auto (cProfile:
-the functions with the most time of their own). On a GPU (h200.sh auto65); writes
+"""Where --depth auto loses to plain decoding on the demo model (0.92x on an H100 in stop 65, 245 of 252 cycles
+plain): tok/s (median of 5) at depth 0; at auto (plain picks held until the next probe could be due,
+autodepth.HOLD_MAX); at auto with stop 66's PROBE_MAX of 64; at auto reading the estimates every cycle (HOLD_MAX 0,
+stop 65's chooser); at auto with the chooser's pick and observe replaced by constants (what is left: the drafter's
+keep of each step's hidden, the loop's bookkeeping); then depth 0 again. Also the depths auto picked, its last
+reply's cycles (when, depth, tokens, why), the costs it learned, and the host's Python per token, plain and auto
+(cProfile: the functions with the most time of their own). On a GPU (h200.sh auto67); writes
 $OUT/auto_overhead_<gpu>.json.
 
     python packaging/bench/auto_overhead.py
@@ -44,6 +45,10 @@ def run(label, depth, n=256, reps=5):
 
 
 res = {"plain": run("plain", 0), "auto": run("auto", "auto")}
+probe_max = autodepth.PROBE_MAX
+autodepth.PROBE_MAX = 64  # (stop 66's cap on the probes' spacing, against today's)
+res["auto_probe_max_64"] = run("auto_probe_max_64", "auto")
+autodepth.PROBE_MAX = probe_max
 held = autodepth.HOLD_MAX
 autodepth.HOLD_MAX = 0
 res["auto_every_cycle"] = run("auto_every_cycle", "auto")

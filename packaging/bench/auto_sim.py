@@ -46,10 +46,13 @@ GPU_DEMO_MS_63 = {0: 0.281, 1: 0.62, 2: 0.70, 3: 0.776, 4: 0.853}
 GPU_DEMO_MS_65 = {0: 0.177, 1: 0.352, 2: 0.394, 3: 0.455, 4: 0.515}
 # stop 66 (bench_demo_stop66_h100.json: depths 0, 2 and 3 from tokens a cycle / tok/s; 1 and 4 guessed)
 GPU_DEMO_MS_66 = {0: 0.171, 1: 0.33, 2: 0.36, 3: 0.402, 4: 0.45}
+# stop 67 (auto_overhead_stop67_h100.json: the costs the chooser learned, ms a cycle, after api.py's launch fix;
+# its switch_ms 0.37)
+GPU_DEMO_MS_67 = {0: 0.165, 1: 0.349, 2: 0.377, 3: 0.406, 4: 0.455}
 COSTS = {"h200-27b": (COST_MS, 0.0), "cpu-demo": (CPU_MS, 0.05), "cpu-demo-now": (CPU_MS_NOW, 0.09),
          "cpu-demo-onednn": (CPU_MS_ONEDNN, 0.07), "h100-demo": (GPU_DEMO_MS, 0.0), "h100-demo-62": (GPU_DEMO_MS_62, 0.0),
          "h100-demo-63": (GPU_DEMO_MS_63, 0.0), "h100-demo-65": (GPU_DEMO_MS_65, 0.0),
-         "h100-demo-66": (GPU_DEMO_MS_66, 0.0)}
+         "h100-demo-66": (GPU_DEMO_MS_66, 0.0), "h100-demo-67": (GPU_DEMO_MS_67, 0.0)}
 CATCH_UP_MS, NOISE, SWITCH_MS, RESUME = 0.0, 0.0, 0.0, None  # (main sets them, and COST_MS)
 EASY, HARD = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.0]  # cmd_bench's 'changing' profile
 PROFILES = {

@@ -85,6 +85,8 @@
 #                                         # (plain, depth 3, auto, the cycle profile), then the graph tests
 #   bash packaging/bench/h200.sh stop65    # stop 65: stop64's case with the cycle graph's commit as two Triton kernels
 #   bash packaging/bench/h200.sh auto65    # auto's plain cycles against plain decoding on the demo (auto_overhead.py)
+#   bash packaging/bench/h200.sh stop67    # stop 67: auto_overhead.py (PROBE_MAX 128 against 64, auto's cycles traced), the
+#                                         # demo's rows at depths 0, 3 and auto; then on an H200 fp8x62's records
 #   bash packaging/bench/h200.sh stop66    # stop 66: auto_overhead.py (plain picks held); then on an H200 fp8x62's records,
 #                                         # elsewhere the demo's rows at depths 0-3 and auto
 #   bash packaging/bench/h200.sh stop66b   # the same's first two parts alone (under 5 minutes)
@@ -633,6 +635,21 @@ stop66)  # stop 66 (under 10 minutes): q_norm / k_norm in rope's launch (its GPU
   else
     BENCH_TIMEOUT=$((400 - SECONDS)) bench --model engine/assets/demo --depths 0,1,2,3,auto --drafter mtp \
         --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_stop66.json" | grep -E "auto|mtp|none|rror"
+  fi
+  ;;
+stop67)  # stop 67 (under 10 minutes): auto's probes from plain decoding capped at 128 cycles apart, not 64 (both in
+  # auto_overhead.py, with auto's last reply traced), the demo's rows; then the H200's records (#23's 80B-A3B in FP8,
+  # #28's 27B in bf16, both --compile) where this is an H200
+  timeout 170 python3 packaging/bench/auto_overhead.py 2>&1 | tail -1 | cut -c1-600
+  BENCH_TIMEOUT=120 bench --model engine/assets/demo --depths 0,3,auto --drafter mtp --max-new-tokens 256 --repeat 3 \
+        --no-hf --out "$OUT/bench_demo_stop67.json" | grep -E "auto|mtp|none|rror"
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    BENCH_TIMEOUT=$((540 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 \
+        --drafter oracle --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_compile67_h200.json" \
+        | grep -E "none|oracle|HBM|rror"
+    [ $SECONDS -lt 380 ] && BENCH_TIMEOUT=$((580 - SECONDS)) bench --random-weights qwen3.5-27b --compile --depths 0,3 \
+        --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_compile67_h200.json" \
+        | grep -E "none|oracle|HBM|rror"
   fi
   ;;
 stop66b)  # stop 66 in under 5 minutes: rope's GPU tests (q_norm / k_norm in its launch), then auto_overhead.py
