@@ -653,8 +653,17 @@ stop67)  # stop 67 (under 10 minutes): auto's probes from plain decoding capped 
         | grep -E "none|oracle|HBM|rror"
   fi
   ;;
-ab67)  # stop 67 (under 4 minutes): auto_ab.py, 40 rounds of plain, depth 3, auto at PROBE_MAX 64 and at 128
+ab67)  # stop 67: auto_ab.py, 40 rounds of plain, depth 3, auto at PROBE_MAX 64 and at 128 (under 4 minutes); then
+  # on an H200 the records (#23's 80B-A3B in FP8, #28's 27B in bf16, both --compile)
   timeout 200 python3 packaging/bench/auto_ab.py --rounds 40 2>&1 | tail -1 | cut -c1-900
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    BENCH_TIMEOUT=$((560 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 \
+        --drafter oracle --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_compile67_h200.json" \
+        | grep -E "none|oracle|HBM|rror"
+    [ $SECONDS -lt 380 ] && BENCH_TIMEOUT=$((585 - SECONDS)) bench --random-weights qwen3.5-27b --compile --depths 0,3 \
+        --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_compile67_h200.json" \
+        | grep -E "none|oracle|HBM|rror"
+  fi
   ;;
 stop66b)  # stop 66 in under 5 minutes: rope's GPU tests (q_norm / k_norm in its launch), then auto_overhead.py
   gpu_tests 90 "$OUT/gpu_tests_stop66.log" tests/test_rope_triton.py -k "qk_norms or store or rotation"
