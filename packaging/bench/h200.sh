@@ -113,6 +113,17 @@ gpu_tests() {
   timeout -k 15 -s INT "$limit" python3 -m pytest -p no:cacheprovider -rf "$@" > "$log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed|No module" "$log" | tail -20
 }
+# stop 67's records where this is an H200 (#23's 80B-A3B in FP8, then as time allows #28's 27B in bf16, both
+# --compile); $1: the second of the call by which the 80B-A3B's bench must end
+records67() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || return 0
+  BENCH_TIMEOUT=$(($1 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 \
+      --drafter oracle --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_compile67_h200.json" \
+      | grep -E "none|oracle|HBM|rror"
+  [ $SECONDS -lt 380 ] && BENCH_TIMEOUT=$((585 - SECONDS)) bench --random-weights qwen3.5-27b --compile --depths 0,3 \
+      --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_compile67_h200.json" \
+      | grep -E "none|oracle|HBM|rror"
+}
 case "${1:-speed}" in
 speed)  # about 6 minutes
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -644,26 +655,12 @@ stop67)  # stop 67 (under 10 minutes): auto's probes from plain decoding capped 
   timeout 170 python3 packaging/bench/auto_overhead.py 2>&1 | tail -1 | cut -c1-600
   BENCH_TIMEOUT=120 bench --model engine/assets/demo --depths 0,3,auto --drafter mtp --max-new-tokens 256 --repeat 3 \
         --no-hf --out "$OUT/bench_demo_stop67.json" | grep -E "auto|mtp|none|rror"
-  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    BENCH_TIMEOUT=$((540 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 \
-        --drafter oracle --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_compile67_h200.json" \
-        | grep -E "none|oracle|HBM|rror"
-    [ $SECONDS -lt 380 ] && BENCH_TIMEOUT=$((580 - SECONDS)) bench --random-weights qwen3.5-27b --compile --depths 0,3 \
-        --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_compile67_h200.json" \
-        | grep -E "none|oracle|HBM|rror"
-  fi
+  records67 540
   ;;
 ab67)  # stop 67: auto_ab.py, 40 rounds of plain, depth 3, auto at PROBE_MAX 64 and at 128 (under 4 minutes); then
   # on an H200 the records (#23's 80B-A3B in FP8, #28's 27B in bf16, both --compile)
   timeout 200 python3 packaging/bench/auto_ab.py --rounds 40 2>&1 | tail -1 | cut -c1-900
-  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    BENCH_TIMEOUT=$((560 - SECONDS)) bench --random-weights qwen3-next-80b-a3b --quant fp8 --compile --depths 0,3 \
-        --drafter oracle --acceptance 1.0 --max-new-tokens 48 --repeat 2 --no-hf --out "$OUT/bench80b_fp8_compile67_h200.json" \
-        | grep -E "none|oracle|HBM|rror"
-    [ $SECONDS -lt 380 ] && BENCH_TIMEOUT=$((585 - SECONDS)) bench --random-weights qwen3.5-27b --compile --depths 0,3 \
-        --drafter oracle --acceptance 1.0 --max-new-tokens 64 --repeat 2 --no-hf --out "$OUT/bench27b_compile67_h200.json" \
-        | grep -E "none|oracle|HBM|rror"
-  fi
+  records67 560
   ;;
 stop66b)  # stop 66 in under 5 minutes: rope's GPU tests (q_norm / k_norm in its launch), then auto_overhead.py
   gpu_tests 90 "$OUT/gpu_tests_stop66.log" tests/test_rope_triton.py -k "qk_norms or store or rotation"
