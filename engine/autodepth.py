@@ -132,7 +132,9 @@ class DepthChooser:
     # (every ~50 cycles) made 3% of a reply (auto 0.96x plain where plain was 0.97 of the best depth)
     switch_ms: float | None = None
     held: int = 0  # plain picks left to hand out without reading the estimates (hold)
-    launched_ms: float = 0.0  # what launching the drafting cycle after a plain one took its call (observe_launch)
+    # what the next switch owes from calls outside its own cycle: the fall's plain cycle before it (observe) and
+    # the launch of the drafting cycle (observe_launch)
+    owed_ms: float = 0.0
 
     def __post_init__(self):
         self.acceptance = [PRIOR_ACCEPTANCE] * self.max_depth
@@ -293,12 +295,19 @@ class DepthChooser:
         switch (the drafter catching up on the plain cycles' tokens; on a CPU the verify widths' weights, cold in
         the caches after one-row steps). The demo model on the 2-core CPU: depth 1's cost learned from such
         cycles was 20.9 ms where its cycles in a row took 17.1, so auto held plain decoding (12.0 ms) through
-        replies that depth 1 ran 1.2x faster; each probe from plain decoding only confirmed it."""
-        switched, self.last_depth = self.last_depth == 0 and depth > 0, depth
+        replies that depth 1 ran 1.2x faster; each probe from plain decoding only confirmed it. Nor is the plain
+        cycle right after a drafting one plain decoding's cost: its step was launched once the drafting cycle was
+        read, not ahead of the host (with graphs), and what it took over plain's cost is owed by the round trip,
+        to the next switch (owe). The demo model on an H100: 0.25 ms against 0.165, and after some auto replies
+        plain's estimate had risen to 0.19-0.23 ms, so that the next reply began drafting (stop 67)."""
+        switched, fell = self.last_depth == 0 and depth > 0, bool(self.last_depth) and depth == 0
+        self.last_depth = depth
         if depth:
             self.held = 0
         if switched:
             self.observe_switch(depth, ms)
+        elif fell and 0 in self.cost:  # (with no plain cost yet, the fall's is the best there is)
+            self.owe(ms)
         else:
             self.observe_cost(depth, ms)
         self.all_accepted = depth > 0 and len(accepted) == depth and all(accepted)
@@ -319,16 +328,21 @@ class DepthChooser:
         launched before the call returns: the head's catch-up, draft and verify, on the host): not plain decoding's
         cost (the engine observes it without one), and what it took over that cost is the switch's, added to the
         drafting cycle's own extra (observe_switch)."""
+        self.owe(ms)
+
+    def owe(self, ms: float | None) -> None:
+        """A plain cycle's call that was not plain decoding alone (observe_launch, observe): what it took over
+        plain's cost goes to the next switch."""
         ms = self.usable(ms)
-        self.launched_ms = max(ms - self.cost[0], 0.0) if ms is not None and 0 in self.cost else 0.0
+        self.owed_ms += max(ms - self.cost[0], 0.0) if ms is not None and 0 in self.cost else 0.0
 
     def observe_switch(self, depth: int, ms: float | None) -> None:
         """A drafting cycle after plain ones: what it took over its depth's cost is the switch's (switch_ms), with
-        what launching it took the call before (observe_launch)."""
-        ms, launched, self.launched_ms = self.usable(ms), self.launched_ms, 0.0
+        what the calls before it owe (owe: the launch, the fall before)."""
+        ms, owed, self.owed_ms = self.usable(ms), self.owed_ms, 0.0
         if ms is None or not self.cost:  # (no cost measured yet to take it over)
             return
-        extra = max(ms - self.costs()[depth], 0.0) + launched
+        extra = max(ms - self.costs()[depth], 0.0) + owed
         self.switch_ms = extra if self.switch_ms is None else self.switch_ms + WEIGHT * (extra - self.switch_ms)
 
     def observe_cost(self, depth: int, ms: float | None) -> None:

@@ -445,7 +445,23 @@ def test_launching_a_drafting_cycle_from_plain_decoding_is_the_switchs_cost():
     c.observe(0, [], None)
     c.observe_launch(0.5)
     c.observe(1, [False], 0.5)
-    assert c.cost == {0: 0.2, 1: 0.4} and c.switch_ms == pytest.approx(0.4) and c.launched_ms == 0.0
+    assert c.cost == {0: 0.2, 1: 0.4} and c.switch_ms == pytest.approx(0.4) and c.owed_ms == 0.0
     c.observe(0, [], 0.2)
     c.observe(1, [True], 0.45)  # (a switch without a launch measured: its own extra alone)
     assert c.switch_ms == pytest.approx(0.4 + WEIGHT * (0.05 - 0.4))
+
+
+def test_the_plain_cycle_after_a_drafting_one_is_the_round_trips_cost_not_plain_decodings():
+    """With graphs a plain step runs ahead of the host, except the first after a drafting cycle: it is launched
+    once that cycle was read (the demo model on an H100: 0.25 ms against 0.165). Taken as plain's cost, each fall
+    raised plain's estimate, and an auto reply after one with many falls began drafting. What it took over plain's
+    cost is owed by the round trip: the next switch from plain decoding pays it."""
+    c = DepthChooser(4, cost={0: 0.2, 1: 0.4})
+    c.observe(1, [True], 0.4)
+    c.observe(0, [], 0.3)  # (the fall)
+    assert c.cost == {0: 0.2, 1: 0.4} and c.owed_ms == pytest.approx(0.1)
+    c.observe(0, [], 0.2)
+    c.observe(0, [], None)
+    c.observe_launch(0.5)
+    c.observe(1, [False], 0.45)
+    assert c.switch_ms == pytest.approx(0.1 + 0.3 + 0.05) and c.owed_ms == 0.0 and c.cost == {0: 0.2, 1: 0.4}
