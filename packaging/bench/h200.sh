@@ -88,7 +88,7 @@
 #   bash packaging/bench/h200.sh stop67    # stop 67: auto_overhead.py (PROBE_MAX 128 against 64, auto's cycles traced), the
 #                                         # demo's rows at depths 0, 3 and auto; then on an H200 fp8x62's records
 #   bash packaging/bench/h200.sh ab67      # stop 67: auto_ab.py (plain, depth 3, auto with PROBE_MAX 64 and 128, 40 rounds)
-#   bash packaging/bench/h200.sh auto67    # stop 67: auto_overhead.py alone
+#   bash packaging/bench/h200.sh auto67    # stop 67: auto_ab.py, then auto_overhead.py
 #   bash packaging/bench/h200.sh stop66    # stop 66: auto_overhead.py (plain picks held); then on an H200 fp8x62's records,
 #                                         # elsewhere the demo's rows at depths 0-3 and auto
 #   bash packaging/bench/h200.sh stop66b   # the same's first two parts alone (under 5 minutes)
@@ -663,7 +663,9 @@ ab67)  # stop 67: auto_ab.py, 40 rounds of plain, depth 3, auto at PROBE_MAX 64 
   timeout 200 python3 packaging/bench/auto_ab.py --rounds 40 2>&1 | tail -1 | cut -c1-900
   records67 560
   ;;
-auto67)  # stop 67 (under 4 minutes): auto_overhead.py alone (its profile now names who calls eager linears)
+auto67)  # stop 67 (under 6 minutes): auto_ab.py (40 rounds), then auto_overhead.py (its profile now names who calls
+  # eager linears and custom ops inside a reply)
+  timeout 150 python3 packaging/bench/auto_ab.py --rounds 40 2>&1 | tail -1 | cut -c1-900
   timeout 200 python3 packaging/bench/auto_overhead.py 2>&1 | tail -1 | cut -c1-300
   ;;
 stop66b)  # stop 66 in under 5 minutes: rope's GPU tests (q_norm / k_norm in its launch), then auto_overhead.py
