@@ -165,6 +165,16 @@ class MTPDrafter:
             self.pending = [hidden[:, e:].clone()] if e < hidden.shape[1] else []
         return self.last
 
+    def catch_up_ready(self, seq_tokens: torch.Tensor) -> bool:
+        """catch_up, leaving the next cycle's first draft and the head's hidden as a refresh inside a verify graph
+        would (ready), for a cycle graph launched straight after plain steps or a prefill
+        (speculative.launch_cycle): greedy only. False, with nothing caught up to draft from."""
+        last = self.catch_up(seq_tokens)
+        if last is None:
+            return False
+        self.ready = (last[0].argmax(-1), last[1])
+        return True
+
     def prime(self, seq_tokens: torch.Tensor, upto: int) -> None:
         """During prefill, after each chunk: the head over every observed position whose next token is known
         (all but the prompt's last, which waits for the first sampled token)."""

@@ -50,10 +50,11 @@ def test_cuda_graphs_certified_and_lossless(name, ckpt):
     assert all(int(report["replays"][str(w)]) > 5 for w in (2, 4))
     assert report["decode"]["failure"] is None and int(report["decode"]["replays"]["1"]) > 5
     assert report["commit"]["failure"] is None and int(report["commit"]["replays"]["1"]) > 5  # commit's replay
-    # greedy MTP cycles: a reply's first verifies with the head's refresh in one graph per width; the rest are
-    # cycle graphs (the last cycle's commit, the drafts, verify and refresh), timed apart by the events inside
+    # greedy MTP cycles, a reply's first included (after the head's catch-up over the prompt), are cycle graphs
+    # (the last cycle's commit, the drafts, verify and refresh), timed apart by the events inside; the verify
+    # graphs with the head's refresh are the host's path's (none here)
     refreshing, whole = report["verify_refresh"], report["cycle"]
-    assert refreshing["failure"] is None and all(int(refreshing["replays"][str(w)]) >= 1 for w in (2, 4))
+    assert refreshing["failure"] is None and not refreshing["replays"], refreshing
     assert whole["failure"] is None and all(int(whole["replays"][str(w)]) > 2 for w in (2, 4))
     from engine import GenerationSettings
     from engine.events import Cycle

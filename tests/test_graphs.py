@@ -88,12 +88,12 @@ def test_replayed_steps_equal_eager_and_replays_are_counted(name, ckpt, engines)
     assert trunk["commit"]["failure"] is None and trunk["commit"]["replays"]["1"] > 5
     # a whole verify pass kept (every draft accepted): its final state copied, as a graph of its own
     assert trunk["commit_whole"]["failure"] is None and sum(trunk["commit_whole"]["replays"].values()) > 5
-    # greedy MTP cycles: the head's refresh inside the verify graph (the oracle's cycles: the graph without it)
+    # greedy MTP cycles, a reply's first included, run as cycle graphs (the last one's commit, the drafts, the
+    # verify and the head's refresh in one replay, launched before the host reads the last one), after the head
+    # caught up over the prefill (speculative.launch_cycle): no verify graph with the refresh inside, which the
+    # host's path takes (the oracle's cycles: the verify graph without it)
     refreshing = trunk["verify_refresh"]
-    # greedy MTP cycles: a reply's first verifies with the head's refresh inside; the rest run as cycle graphs
-    # (the last one's commit, the drafts, the verify and the refresh in one replay, launched before the host
-    # reads the last one)
-    assert refreshing["failure"] is None and all(refreshing["replays"][str(w)] >= 1 for w in (2, 4))
+    assert refreshing["failure"] is None and not refreshing["replays"], refreshing
     cycles = trunk["cycle"]
     assert cycles["failure"] is None and all(cycles["replays"][str(w)] > 2 for w in (2, 4))
     # the head's own graphs: only its catch-up over each prompt's last position and its priming over the rest of
@@ -102,8 +102,8 @@ def test_replayed_steps_equal_eager_and_replays_are_counted(name, ckpt, engines)
     from engine.graphs import PREFILL_WIDTHS
 
     assert "1" in mtp["replays"] and set(mtp["replays"]) - {"1"} <= {str(w) for w in PREFILL_WIDTHS}, mtp["replays"]
-    chains = report["mtp_draft_chain_graphs"]  # greedy depth 3's first cycle: the two steps after the refresh
-    assert chains["failure"] is None and chains["replays"]["2"] >= 1
+    chains = report["mtp_draft_chain_graphs"]  # (the host's path's chained drafts: the cycle graphs draft inside)
+    assert chains["failure"] is None and not chains["replays"], chains
     if name == "demo":
         assert sum(trunk["commit"]["replays"].values()) > trunk["commit"]["replays"]["1"]  # drafts were accepted
     captures = (trunk["captures"], mtp["captures"])
@@ -117,12 +117,12 @@ def test_a_longer_request_recaptures_after_the_caches_grow(ckpt, engines):
     graphs = load_engine(str(ckpt("next")), cuda_graphs=True)
     prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     run(graphs, prompt, 2, n=8)
-    before = graphs.diagnostics()["compile"]["cuda_graphs"]["verify_refresh"]["captures"]
+    before = graphs.diagnostics()["compile"]["cuda_graphs"]["cycle"]["captures"]
     assert before > 0
     long_prompt = prompt * 12  # past the first KV reservation chunk: caches reallocated, graphs re-captured
     tokens, _ = run(graphs, long_prompt, 2, n=40)
     assert tokens == run(eager, long_prompt, 0, n=40)[0]
-    assert graphs.diagnostics()["compile"]["cuda_graphs"]["verify_refresh"]["captures"] > before
+    assert graphs.diagnostics()["compile"]["cuda_graphs"]["cycle"]["captures"] > before
 
 
 def test_a_failed_capture_falls_back_to_eager_steps_with_the_reason(ckpt, engines, monkeypatch):
@@ -190,6 +190,38 @@ def test_plain_steps_before_a_live_depth_change_feed_the_head_what_eager_steps_d
     assert 16 in graphs[2], graphs[2]
 
 
+def test_a_switch_from_plain_decoding_and_a_reply_s_first_cycle_are_cycle_graphs_after_the_head_catches_up(
+        monkeypatch):
+    """Where the depth rises from 0, and at a reply's first cycle, the head catches up over what the plain steps
+    or the prefill left it and the cycle graph is launched from there (speculative.launch_cycle): no cycle on
+    the host's path (drafter.propose, then verify_pass, then the host's commit). The text is plain decoding's,
+    with drafts accepted and rejected."""
+    from engine import drafters, speculative
+
+    calls = {"propose": 0, "verify_pass": 0}
+    for module, name in ((drafters.MTPDrafter, "propose"), (speculative, "verify_pass")):
+        def counted(*a, _f=getattr(module, name), _n=name, **k):
+            calls[_n] += 1
+            return _f(*a, **k)
+        monkeypatch.setattr(module, name, counted)
+    engine = load_engine(DEMO, cuda_graphs=True)
+    prompt = engine.encode_chat([{"role": "user", "content": "What is a dictionary in Python?"}])
+    plain = [t for ev in engine.generate(prompt, GenerationSettings(max_new_tokens=40, depth=0))
+             if isinstance(ev, Tokens) for t in ev.token_ids]
+    for start_depth in (0, 3):
+        control, events = DecodeControl(start_depth), []
+        for ev in engine.generate(prompt, GenerationSettings(max_new_tokens=40), control=control):
+            events.append(ev)
+            if isinstance(ev, Cycle) and ev.index == 8:
+                control.depth = 3 - start_depth  # (plain -> 3, or 3 -> plain)
+            if isinstance(ev, Cycle) and ev.index == 16:
+                control.depth = 3  # (and back up from plain)
+        cycles = [ev for ev in events if isinstance(ev, Cycle)]
+        assert tokens_of(events) == plain
+        assert any(c.accepted for c in cycles) and any(c.accepted < c.drafted for c in cycles)
+        assert calls == {"propose": 0, "verify_pass": 0}, (start_depth, calls)
+
+
 def test_plain_decoding_one_step_ahead_is_exact_and_the_next_turn_continues_from_its_extra_step():
     """Greedy plain decoding with graphs launches the step for each token before reading it (plain_ahead). The
     tokens are those of eager decoding; after an EOS, the step already run leaves every committed token
@@ -229,8 +261,8 @@ def test_a_cycle_launched_ahead_of_a_stop_is_dropped_and_the_next_turn_is_exact(
     assert fin.reason == "stop" and fin.stats["accepted"] > 0
     # each cycle reports its own draft and verify, recorded by the call that launched it
     assert all({"draft", "verify", "commit"} <= set(c.phase_ms) for c in cycles)
-    runner = ahead.graph_runner  # greedy MTP: the first cycle's verify + refresh graph, then cycle graphs
-    assert sum(runner.refreshing.replays.values()) == 1 and sum(runner.cycles.replays.values()) > 5
+    runner = ahead.graph_runner  # greedy MTP: cycle graphs from the first cycle on (no verify + refresh graph)
+    assert sum(runner.refreshing.replays.values()) == 0 and sum(runner.cycles.replays.values()) > 5
     verifies = sum(runner.refreshing.replays.values()) + sum(runner.cycles.replays.values())
     assert verifies == fin.stats["cycles"] + 1  # one launched ahead, never finished
     assert ahead.caches.processed == len(prompt) + len(toks) - 1  # the finished cycles' tokens, the last unprocessed
@@ -303,8 +335,9 @@ def test_an_error_launching_a_cycle_graph_ahead_is_retried_before_its_replay_and
     kinds = [type(e).__name__ for e in events]
     note = kinds.index("Fallback")
     assert "depth lowered to 1" in events[note].reason
-    # the first token, the first cycle (the host's), the one that started the cycle graphs, two launched ahead
-    assert kinds[1:note].count("Tokens") == 5
+    # the first token, the cycle that started the cycle graphs (after the head's catch-up over the prompt), two
+    # launched ahead
+    assert kinds[1:note].count("Tokens") == 4
     assert tokens_of(events) == plain
 
     def broken_read(values, flight):
@@ -333,7 +366,7 @@ def test_a_stop_id_among_accepted_drafts_ends_a_cycle_graph_s_reply_where_plain_
     prompt = graphs.encode_chat(first)
     plain = run(fresh, prompt, 0, n=60)[0]
     _, sources, _ = decode(graphs, prompt, depth=3, max_new_tokens=60)
-    # stop ids that come out as accepted drafts, first seen past the first cycles (which the host commits)
+    # stop ids that come out as accepted drafts, first seen past the first cycles
     candidates = [t for i, (t, src) in enumerate(zip(plain, sources)) if src == "draft" and i >= 8
                   and t not in plain[:i]][:4]
     assert len(candidates) >= 2
@@ -391,10 +424,11 @@ def test_the_refresh_inside_the_verify_graph_keeps_the_head_cache_causal():
     prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     tokens, fin = run(graphs, prompt, 3, n=40)
     assert fin.stats["accepted"] > 0 and fin.stats["drafted"] > fin.stats["accepted"]  # full and partial cycles
-    # every cycle but the last, whose one token (k = 0) is plain decoding's step: the head only observes it (the
-    # first verifies in the verify + refresh graph, the rest in cycle graphs, which run the same refresh)
+    # every cycle but the last, whose one token (k = 0) is plain decoding's step: the head only observes it (all
+    # in cycle graphs, which run the verify + refresh graph's refresh, the first after the head's catch-up over
+    # the prompt)
     runner = graphs.graph_runner
-    assert sum(runner.refreshing.replays.values()) == 1
+    assert sum(runner.refreshing.replays.values()) == 0
     assert sum(runner.refreshing.replays.values()) + sum(runner.cycles.replays.values()) == fin.stats["cycles"] - 1
     mtp, n = graphs.mtp_drafter, graphs.caches.processed
     assert mtp.covered == n - 1 and mtp.pending[0].shape[1] == 1

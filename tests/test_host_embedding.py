@@ -173,6 +173,6 @@ def test_host_table_exact_in_graphs_and_off_the_gpu(ckpt, dtype):
         assert greedy(on_host, prompt, depth) == greedy(on_gpu, prompt, depth)
     report = on_host.diagnostics()["compile"]["cuda_graphs"]
     assert report["failure"] is None and int(report["decode"]["replays"]["1"]) > 5  # replayed, not eager
-    assert int(report["verify_refresh"]["replays"]["4"]) >= 1 and int(report["cycle"]["replays"]["4"]) > 1
+    assert int(report["cycle"]["replays"]["4"]) > 1
     assert torch.equal(prefill_logits(on_host, prompt), prefill_logits(on_gpu, prompt))  # (eager: the prefill)
 
