@@ -61,6 +61,10 @@ PROFILES = {
     "flat 0": lambda made, n: [0.0] * 4,
     "0.92/0.84/0.65/0.54": lambda made, n: [0.92, 0.84, 0.65, 0.54],
     "changing": lambda made, n: EASY if made < n // 2 else HARD,
+    # and the other way round: text that turns predictable, which only a probe from plain decoding notices (once at
+    # mid-reply, or every eighth of the reply: 32 tokens of 256)
+    "hard then easy": lambda made, n: HARD if made < n // 2 else EASY,
+    "hard-easy x4": lambda made, n: HARD if (made * 8 // n) % 2 == 0 else EASY,
     # the demo model's MTP head on the bench prompt, conditional per position (its depth 2-4 rows on the 2-core CPU,
     # stop 42: unconditional 0.70 0.42 0.39 0.30 at depth 4): low at the first position, higher deeper
     "demo": lambda made, n: [0.71, 0.64, 0.85, 0.77],
