@@ -403,17 +403,17 @@ class Engine:
                     ms = (time.perf_counter() - t_cycle) * 1e3
                     parts.cycle(part, stats.drafted, stats.accepted, ms)
                     # A plain cycle whose call also launched the drafting cycle after it (a depth change: with
-                    # graphs the next cycle is launched before this call returns, the head's catch-up, draft and
-                    # verify on the host) took more than plain decoding costs: not a plain cost to go by. Taken as
-                    # one, each switch raised plain's running cost by up to WEIGHT times the launch, and drafting
+                    # graphs the next cycle is launched before this call returns, the head's catch-up and the
+                    # cycle) took more than plain decoding costs: not a plain cost to go by. Taken as one, each
+                    # switch raised plain's running cost by up to WEIGHT times the launch, and drafting
                     # looked cheaper next to it (the demo model on an H100, stop 66: auto 0.885-0.931 of plain,
                     # drafting a quarter to two thirds of its cycles, where a constant chooser ran 1.0)
                     launched = stats.depth == 0 and depth > 0
                     cost_ms = None if launched else ms
                     if auto:
                         chooser.observe(stats.depth, stats.accepted_per_position, cost_ms)
-                        if launched:  # (the switch's: DepthChooser.observe_launch)
-                            chooser.observe_launch(ms)
+                        if launched:  # (the switch's: DepthChooser.owe)
+                            chooser.owe(ms)
                         stats.why = chooser.why + (f"; stopped after draft {stats.depth}" if stats.stopped else "")
                         chosen[stats.depth] = chosen.get(stats.depth, 0) + 1
                     else:  # (what a cycle at this depth costs, for the next reply at depth auto)

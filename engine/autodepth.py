@@ -133,7 +133,7 @@ class DepthChooser:
     switch_ms: float | None = None
     held: int = 0  # plain picks left to hand out without reading the estimates (hold)
     # what the next switch owes from calls outside its own cycle: the fall's plain cycle before it (observe) and
-    # the launch of the drafting cycle (observe_launch)
+    # the launch of the drafting cycle (the engine's owe)
     owed_ms: float = 0.0
 
     def __post_init__(self):
@@ -323,16 +323,11 @@ class DepthChooser:
         """ms, or None where it paid for something once (OUTLIER times the cheapest depth's cost)."""
         return None if ms is None or self.cost and ms > OUTLIER * min(self.cost.values()) else ms
 
-    def observe_launch(self, ms: float | None) -> None:
-        """A plain cycle whose call also launched the drafting cycle after it (with graphs the next cycle is
-        launched before the call returns: the head's catch-up, draft and verify, on the host): not plain decoding's
-        cost (the engine observes it without one), and what it took over that cost is the switch's, added to the
-        drafting cycle's own extra (observe_switch)."""
-        self.owe(ms)
-
     def owe(self, ms: float | None) -> None:
-        """A plain cycle's call that was not plain decoding alone (observe_launch, observe): what it took over
-        plain's cost goes to the next switch."""
+        """A plain cycle's call that was not plain decoding alone: the fall's (observe), or one that also launched
+        the drafting cycle after it (the engine: with graphs the next cycle is launched before the call returns,
+        the head's catch-up, draft and verify on the host; observed without a cost). What it took over plain's
+        cost goes to the next switch (observe_switch)."""
         ms = self.usable(ms)
         self.owed_ms += max(ms - self.cost[0], 0.0) if ms is not None and 0 in self.cost else 0.0
 

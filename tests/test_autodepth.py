@@ -443,7 +443,7 @@ def test_launching_a_drafting_cycle_from_plain_decoding_is_the_switchs_cost():
     c = DepthChooser(4, cost={0: 0.2, 1: 0.4})
     c.observe(0, [], 0.2)
     c.observe(0, [], None)
-    c.observe_launch(0.5)
+    c.owe(0.5)
     c.observe(1, [False], 0.5)
     assert c.cost == {0: 0.2, 1: 0.4} and c.switch_ms == pytest.approx(0.4) and c.owed_ms == 0.0
     c.observe(0, [], 0.2)
@@ -462,6 +462,6 @@ def test_the_plain_cycle_after_a_drafting_one_is_the_round_trips_cost_not_plain_
     assert c.cost == {0: 0.2, 1: 0.4} and c.owed_ms == pytest.approx(0.1)
     c.observe(0, [], 0.2)
     c.observe(0, [], None)
-    c.observe_launch(0.5)
+    c.owe(0.5)
     c.observe(1, [False], 0.45)
     assert c.switch_ms == pytest.approx(0.1 + 0.3 + 0.05) and c.owed_ms == 0.0 and c.cost == {0: 0.2, 1: 0.4}
