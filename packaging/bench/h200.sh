@@ -90,6 +90,7 @@
 #   bash packaging/bench/h200.sh ab67      # stop 67: auto_ab.py (plain, depth 3, auto with PROBE_MAX 64 and 128, 40 rounds)
 #   bash packaging/bench/h200.sh switch67  # stop 67: the graph tests after the switch's change, auto_ab.py, the demo's rows
 #   bash packaging/bench/h200.sh auto67    # stop 67: auto_ab.py, then auto_overhead.py
+#   bash packaging/bench/h200.sh records68 # stop 68 (H200): #23's 80B-A3B in FP8 and #28's 27B in bf16, compiled
 #   bash packaging/bench/h200.sh stop66    # stop 66: auto_overhead.py (plain picks held); then on an H200 fp8x62's records,
 #                                         # elsewhere the demo's rows at depths 0-3 and auto
 #   bash packaging/bench/h200.sh stop66b   # the same's first two parts alone (under 5 minutes)
@@ -677,6 +678,10 @@ switch67)  # stop 67 (under 7 minutes): a switch from plain decoding and a reply
   timeout 150 python3 packaging/bench/auto_ab.py --rounds 40 2>&1 | tail -1 | cut -c1-900
   BENCH_TIMEOUT=100 bench --model engine/assets/demo --depths 0,3,auto --drafter mtp --max-new-tokens 256 --repeat 3 \
         --no-hf --out "$OUT/bench_demo_switch67.json" | grep -E "auto|mtp|none|rror"
+  ;;
+records68)  # stop 68 (needs an H200, under 10 minutes): the records alone, first in the call (#23's whole 80B-A3B in
+  # FP8, then #28's 27B shape in bf16, both --compile, plain and depth 3 at acceptance 1.0)
+  records67 520
   ;;
 stop66b)  # stop 66 in under 5 minutes: rope's GPU tests (q_norm / k_norm in its launch), then auto_overhead.py
   gpu_tests 90 "$OUT/gpu_tests_stop66.log" tests/test_rope_triton.py -k "qk_norms or store or rotation"
