@@ -69,6 +69,10 @@ CONFIGS["dotbits"] = CONFIGS["dot"]  # the dot form, its FP8 bytes made bf16 by 
 CONFIGS["stream"] = [(4, ALL, 4, 3, 1024), (4, 8, 4, 4, 2048), (8, ALL, 8, 3, 1024), (8, ALL, 4, 3, 512),
                      (32, ALL, 8, 3, 256)]
 CONFIGS["streambits"] = CONFIGS["stream"]  # the stream form, its FP8 bytes made float32 by bit moves
+# the stream form's tiles for 2-8 rows (_fp8_stream_rows): BLOCK_N x BLOCK_K of at most 1,024 weights, so that
+# eight rows' products stay in registers
+CONFIGS["streamrows"] = [(4, ALL, 4, 2, 256), (2, ALL, 4, 2, 512), (8, ALL, 4, 2, 128), (1, ALL, 4, 2, 1024),
+                         (4, 8, 4, 3, 256)]
 ROWS_MAX = 8  # the widths the row kernel may serve (its cost grows with them)
 _chosen: dict[tuple, tuple] = {}  # (N, K, bucket, device index) -> the timed (kernel, configuration)
 
@@ -160,6 +164,31 @@ if triton is not None:
             acc += w.to(tl.float32) * x[None, :]
         store_tile(Y, P, LOCKS, tl.sum(acc, 1)[None, :], tl.arange(0, 1)[:, None], n[None, :], (n < N)[None, :], 1,
                    N, pn)
+
+    @triton.jit
+    def _fp8_stream_rows(X, W, S, Y, P, LOCKS, M, N, K, stride_xm, stride_wn, stride_sn, KS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        """The stream form's wide tiles for a verify pass's few rows ("streamrows"): each tile of the weight is
+        read once and multiplied into every row, [BLOCK_M, BLOCK_N, BLOCK_K] products summed over the columns.
+        For a small model a call is mostly its latency: the dot form reads 128 columns a step in a chain of
+        steps, the row form reduces every 128, where here a row of the demo model's weights is one tile."""
+        after_previous(PDL)
+        pn, pk = tl.program_id(0), tl.program_id(1)
+        n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        r = tl.arange(0, BLOCK_M)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for c in range(pk * KS, tl.minimum(pk * KS + KS, tl.cdiv(K, BLOCK_K))):
+            k = c * BLOCK_K + kk
+            w = tl.load(W + n[:, None] * stride_wn + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K),
+                        other=0.0).to(tl.float32)
+            x = tl.load(X + r[:, None] * stride_xm + k[None, :], mask=(r[:, None] < M) & (k[None, :] < K),
+                        other=0.0).to(tl.float32)
+            if SCALED:
+                x = x * tl.load(S + (pn * BLOCK_N // 128) * stride_sn + k // 128, mask=k < K, other=0.0)[None, :]
+            acc += tl.sum(w[None, :, :] * x[:, None, :], 2)
+        store_tile(Y, P, LOCKS, acc, r[:, None], n[None, :], (r[:, None] < M) & (n[None, :] < N), M, N, pn)
 
     @triton.jit
     def _fp8_stream_bits(X, W, S, Y, P, LOCKS, N, K, stride_wn, stride_sn, pn, pk, n, KS: tl.constexpr,
@@ -255,7 +284,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     scale = scale if scaled else weight  # (a pointer the kernel never reads)
     M, K = x2.shape
     N = weight.shape[0]
-    stream = kind.startswith("stream")  # (stream, streambits: one row)
+    stream = kind.startswith("stream")  # (stream, streambits: one row; streamrows: its tiles, a few rows)
     block_k = wide[0] if stream else BLOCK  # (the stream forms' tile width; the others' is a scale block)
     blocks = triton.cdiv(K, block_k)
     ks = min(ks, blocks)
@@ -263,7 +292,12 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     block_m = triton.next_power_of_2(max(M, 1)) if kind == "rows" else max(16, bucket(M)) if M > 8 else 16
     tiles = triton.cdiv(N, block_n) * (1 if stream or kind == "rows" else triton.cdiv(M, block_m))
     out, part, locks = output(M, N, slices, tiles, x2)
-    if stream:
+    if kind == "streamrows":
+        _fp8_stream_rows[(triton.cdiv(N, block_n), slices)](
+            x2, weight, scale, out, part, locks, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0), KS=ks,
+            BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, SCALED=scaled, num_warps=warps,
+            num_stages=stages, **pdl(x2))
+    elif stream:
         bits = kind == "streambits"  # (the FP8 bytes as int32 words: K a multiple of 4, streams_bits)
         _fp8_stream[(triton.cdiv(N, block_n), slices)](
             x2, weight.view(torch.int32) if bits else weight, scale, out, part, locks, N, K,
@@ -369,7 +403,7 @@ def tune(weight: torch.Tensor, scale: torch.Tensor, rows: int = 1) -> tuple:
     key = (N, K, bucket(rows), weight.device.index)
     if key not in _chosen:
         x = torch.randn(rows, K, device=weight.device, dtype=torch.bfloat16)
-        kinds = ("rows", "dot", "dotbits") if rows <= ROWS_MAX else ("dot", "dotbits")
+        kinds = ("rows", "dot", "dotbits", "streamrows") if rows <= ROWS_MAX else ("dot", "dotbits")
         if rows == 1:  # (the stream forms serve one row only)
             kinds = ("stream",) + (("streambits",) if streams_bits(weight) else ()) + kinds
         _chosen[key] = fastest([(kind, c) for kind in kinds for c in CONFIGS[kind]],

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import gdn_triton
+
 
 # the small kernels' (conv_triton, rope_triton, swiglu_triton) self-checks: worst relative error against the torch
 # form, as norm_triton's (on a GPU the rope kernels agree bit for bit; Triton's interpreter truncates to bf16 where a
@@ -183,7 +185,11 @@ IMPLEMENTATIONS = {"torch": (torch_recurrent, torch_chunk), "fla": (fla_recurren
 def run_gdn(q, k, v, g, beta, state, final, impl: str, chunked: bool, direct: bool) -> torch.Tensor:
     """The kernel's output; `final` [B, Hv, Dk, Dv] (contiguous, float32) receives the final state, which may be
     `state` itself. direct: the FLA recurrent kernel writes it there (fla_recurrent_into); otherwise it is
-    copied from the kernel's own."""
+    copied from the kernel's own. A few tokens take gdn_triton's kernel where install() timed it faster."""
+    if not chunked:
+        config = gdn_triton.choice(q, v)
+        if config is not None:
+            return gdn_triton.recurrent_into(q, k, v, g, beta, state, final, config)
     if direct:
         return fla_recurrent_into(q, k, v, g, beta, state, final)
     out, last = IMPLEMENTATIONS[impl][int(chunked)](q, k, v, g, beta, state)

@@ -42,7 +42,8 @@ CANDIDATES = {
         ("rows", (32, 2, 4, 3)), ("rows", (16, 1, 4, 3)), ("dot", (64, 4, 4, 3)), ("dot", (64, ALL, 4, 3))]
     + [("stream", c) for c in CONFIGS["stream"]],
     4: [("dot", (64, 4, 4, 3)), ("dot", (64, 16, 4, 4)), ("dot", (64, ALL, 4, 3)), ("dot", (32, 2, 4, 3)),
-        ("dot", (16, 2, 2, 3)), ("rows", (32, 2, 4, 3)), ("rows", (16, 1, 4, 3)), ("rows", (64, 4, 4, 3))],
+        ("dot", (16, 2, 2, 3)), ("rows", (32, 2, 4, 3)), ("rows", (16, 1, 4, 3)), ("rows", (64, 4, 4, 3))]
+    + [("streamrows", c) for c in CONFIGS["streamrows"]],
 }
 _chosen: dict[tuple, tuple | None] = {}  # (N, K, bucket, device index) -> the timed choice (None: cuBLAS)
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams
 
-from . import conv_triton, cycle_triton, fp8, gdn, int4, rope_triton, swiglu_triton
+from . import conv_triton, cycle_triton, fp8, gdn, gdn_triton, int4, rope_triton, swiglu_triton
 from .cache import FP8, KVCache, GDNState, dequantize_kv, kv_write, kv_write_at
 from .checkpoint import TensorFiles, model_dir, read_json
 from .context import kv_cache_dtype
@@ -498,6 +498,7 @@ class Trunk:
         gdn.keep_constants(self.layers)  # (before fusion: it may put projections' rows in another order)
         fuse_all(self.layers)
         conv_triton.install(self.backends, self.layers, self.device, self.dtype)
+        gdn_triton.install(self.backends, self.layers, self.device, self.dtype)
         rope_triton.install(self.backends, self.rotary, self.config, self.device, self.dtype)
         swiglu_triton.install(self.backends, self.lm.modules(), self.device, self.dtype)
         cycle_triton.install(self.backends, self.device)

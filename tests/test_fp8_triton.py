@@ -49,6 +49,9 @@ def _fp8(n, k, device, seed=0):
     # the same, its FP8 bytes made float32 by bit moves
     (256, 1024, 1, ("streambits", (16, 2, 4, 3, 256))),
     (200, 300, 1, ("streambits", (8, 1 << 20, 4, 3, 512))),
+    # the stream form's tiles for a few rows: partial edge tiles in N and K, K in slices
+    (200, 300, 5, ("streamrows", (4, 1 << 20, 4, 2, 256))),
+    (256, 1024, 3, ("streamrows", (8, 2, 4, 2, 128))),
 ])
 def test_the_kernel_equals_the_dequantized_matmul(triton_device, n, k, rows, config):
     from engine import fp8_triton
@@ -63,7 +66,8 @@ def test_the_kernel_equals_the_dequantized_matmul(triton_device, n, k, rows, con
 
 
 @pytest.mark.parametrize("rows,config", [(1, ("rows", (32, 1, 4, 3))), (5, ("rows", (64, 2, 4, 4))),
-                                         (3, ("dot", (32, 2, 4, 4))), (1, ("stream", (8, 1, 4, 3, 128)))])
+                                         (3, ("dot", (32, 2, 4, 4))), (1, ("stream", (8, 1, 4, 3, 128))),
+                                         (8, ("streamrows", (2, 1 << 20, 4, 2, 512)))])
 def test_the_kernels_stream_a_16_bit_weight_as_f_linear_computes(triton_device, rows, config):
     """No scale: the same kernels over a bf16 / fp16 weight (the 16-bit linears cuBLAS is slow at), K split in
     slices over a partial edge block."""
@@ -258,6 +262,10 @@ _SPLIT = {"X": "*bf16", "S": "*fp32", "Y": "*bf16", "P": "*fp32", "LOCKS": "*i32
     ("_fp8_stream", {"W": "*i32"},  # streambits: the bytes read as words
      {"KS": 5, "BLOCK_N": 4, "BLOCK_K": 1024, "SCALED": True, "EVEN": True, "BITS": True}, (4, 3)),
     ("_fp8_stream", {"W": "*bf16"}, {"KS": 2, "BLOCK_N": 8, "BLOCK_K": 2048, "SCALED": False, "EVEN": False}, (4, 4)),
+    ("_fp8_stream_rows", {"W": "*fp8e4nv"}, {"KS": 8, "BLOCK_M": 4, "BLOCK_N": 4, "BLOCK_K": 256, "SCALED": True},
+     (4, 2)),
+    ("_fp8_stream_rows", {"W": "*bf16"}, {"KS": 1 << 20, "BLOCK_M": 8, "BLOCK_N": 2, "BLOCK_K": 512,
+                                          "SCALED": False}, (4, 2)),
     ("_fp8_dequantize", {"W": "*fp8e4nv"}, {"BLOCK_N": 64, "BLOCK_K": 128}, (4, 3)),  # (long prefills' weights)
     ("_fp8_quantize_groups", {"Q": "*fp8e4nv"}, {"BLOCK_M": 32, "BLOCK_K": 128}, (4, 3)),  # (FP8 x FP8 prefills)
 ])

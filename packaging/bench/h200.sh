@@ -90,6 +90,7 @@
 #   bash packaging/bench/h200.sh ab67      # stop 67: auto_ab.py (plain, depth 3, auto with PROBE_MAX 64 and 128, 40 rounds)
 #   bash packaging/bench/h200.sh switch67  # stop 67: the graph tests after the switch's change, auto_ab.py, the demo's rows
 #   bash packaging/bench/h200.sh auto67    # stop 67: auto_ab.py, then auto_overhead.py
+#   bash packaging/bench/h200.sh gdn68     # stop 68: our GDN recurrence for a few tokens: GPU tests, demo A/B, cycle profile
 #   bash packaging/bench/h200.sh records68 # stop 68 (H200): #23's 80B-A3B in FP8 and #28's 27B in bf16, compiled
 #   bash packaging/bench/h200.sh stop66    # stop 66: auto_overhead.py (plain picks held); then on an H200 fp8x62's records,
 #                                         # elsewhere the demo's rows at depths 0-3 and auto
@@ -678,6 +679,22 @@ switch67)  # stop 67 (under 7 minutes): a switch from plain decoding and a reply
   timeout 150 python3 packaging/bench/auto_ab.py --rounds 40 2>&1 | tail -1 | cut -c1-900
   BENCH_TIMEOUT=100 bench --model engine/assets/demo --depths 0,3,auto --drafter mtp --max-new-tokens 256 --repeat 3 \
         --no-hf --out "$OUT/bench_demo_switch67.json" | grep -E "auto|mtp|none|rror"
+  ;;
+gdn68)  # stop 68 (under 10 minutes): our GDN recurrence for a few tokens (gdn_triton.py) and the stream form's tiles
+  # for a few rows (fp8_triton._fp8_stream_rows): the choices on the demo, the demo's rows with our recurrence and
+  # without (MTPCHAT_GDN_RECURRENT=torch: FLA's launch) in turns, the demo's cycle profile, then their GPU tests
+  timeout 90 python3 -c "from engine import load_engine, gdn_triton, linear16_triton as l; e = load_engine('engine/assets/demo', \
+device='cuda'); print(e.trunk.backends.choice['gdn_recurrent'], gdn_triton._chosen, l._chosen)" 2>&1 | tail -2 \
+      | tee "$OUT/gdn_choice68.txt"
+  for arm in ours fla ours; do
+    ([ $arm = fla ] && export MTPCHAT_GDN_RECURRENT=torch; BENCH_TIMEOUT=75 bench --model engine/assets/demo --depths 0,3 \
+        --drafter mtp --max-new-tokens 256 --repeat 3 --no-hf --out "$OUT/bench_demo_gdn68_${arm}_$SECONDS.json" \
+        | grep -E "mtp|none|rror" | sed "s/^/$arm /")
+  done
+  timeout 100 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
+      --json "$OUT/cycle_demo_gdn68.json" 2>&1 | grep depth
+  gpu_tests $((590 - SECONDS)) "$OUT/gpu_tests_gdn68.log" tests/test_gdn_triton.py tests/test_linear16_triton.py \
+      tests/test_fp8_triton.py
   ;;
 records68)  # stop 68 (needs an H200, under 10 minutes): the records alone, first in the call (#23's whole 80B-A3B in
   # FP8, then #28's 27B shape in bf16, both --compile, plain and depth 3 at acceptance 1.0)
