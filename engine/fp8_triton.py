@@ -69,10 +69,11 @@ CONFIGS["dotbits"] = CONFIGS["dot"]  # the dot form, its FP8 bytes made bf16 by 
 CONFIGS["stream"] = [(4, ALL, 4, 3, 1024), (4, 8, 4, 4, 2048), (8, ALL, 8, 3, 1024), (8, ALL, 4, 3, 512),
                      (32, ALL, 8, 3, 256)]
 CONFIGS["streambits"] = CONFIGS["stream"]  # the stream form, its FP8 bytes made float32 by bit moves
-# the stream form's tiles for 2-8 rows (_fp8_stream_rows): BLOCK_N x BLOCK_K of at most 1,024 weights, so that
-# eight rows' products stay in registers
+# the stream form's tiles for 2-8 rows (_fp8_stream_rows): BLOCK_N x BLOCK_K of at most 1,024 weights a 4-warp
+# program (2,048 an 8-warp one), so that eight rows' products stay in registers. On the H100 (the demo model,
+# gdn_choice68_h100.txt) the 384-row shapes took the first ones, the 1,024-1,552-row ones kept the dot form
 CONFIGS["streamrows"] = [(4, ALL, 4, 2, 256), (2, ALL, 4, 2, 512), (8, ALL, 4, 2, 128), (1, ALL, 4, 2, 1024),
-                         (4, 8, 4, 3, 256)]
+                         (4, 8, 4, 3, 256), (16, ALL, 8, 2, 128), (8, ALL, 8, 2, 256)]
 ROWS_MAX = 8  # the widths the row kernel may serve (its cost grows with them)
 _chosen: dict[tuple, tuple] = {}  # (N, K, bucket, device index) -> the timed (kernel, configuration)
 

@@ -49,10 +49,14 @@ GPU_DEMO_MS_66 = {0: 0.171, 1: 0.33, 2: 0.36, 3: 0.402, 4: 0.45}
 # stop 67 (auto_overhead_stop67_h100.json: the costs the chooser learned, ms a cycle, after api.py's launch fix;
 # its switch_ms 0.37)
 GPU_DEMO_MS_67 = {0: 0.165, 1: 0.349, 2: 0.377, 3: 0.406, 4: 0.455}
+# stop 68 (bench_demo_stop68_h100.json, after gdn_triton and streamrows: depths 1-4 from tokens a cycle / tok/s;
+# plain from auto_ab_stop68_h100.json's rounds, 5,384 tok/s: the bench's plain row, 4,598, ran slow that call)
+GPU_DEMO_MS_68 = {0: 0.186, 1: 0.305, 2: 0.327, 3: 0.359, 4: 0.401}
 COSTS = {"h200-27b": (COST_MS, 0.0), "cpu-demo": (CPU_MS, 0.05), "cpu-demo-now": (CPU_MS_NOW, 0.09),
          "cpu-demo-onednn": (CPU_MS_ONEDNN, 0.07), "h100-demo": (GPU_DEMO_MS, 0.0), "h100-demo-62": (GPU_DEMO_MS_62, 0.0),
          "h100-demo-63": (GPU_DEMO_MS_63, 0.0), "h100-demo-65": (GPU_DEMO_MS_65, 0.0),
-         "h100-demo-66": (GPU_DEMO_MS_66, 0.0), "h100-demo-67": (GPU_DEMO_MS_67, 0.0)}
+         "h100-demo-66": (GPU_DEMO_MS_66, 0.0), "h100-demo-67": (GPU_DEMO_MS_67, 0.0),
+         "h100-demo-68": (GPU_DEMO_MS_68, 0.0)}
 CATCH_UP_MS, NOISE, SWITCH_MS, RESUME = 0.0, 0.0, 0.0, None  # (main sets them, and COST_MS)
 EASY, HARD = [0.95, 0.9, 0.85, 0.8], [0.3, 0.1, 0.05, 0.0]  # cmd_bench's 'changing' profile
 PROFILES = {

@@ -91,6 +91,7 @@
 #   bash packaging/bench/h200.sh switch67  # stop 67: the graph tests after the switch's change, auto_ab.py, the demo's rows
 #   bash packaging/bench/h200.sh auto67    # stop 67: auto_ab.py, then auto_overhead.py
 #   bash packaging/bench/h200.sh gdn68     # stop 68: our GDN recurrence for a few tokens: GPU tests, demo A/B, cycle profile
+#   bash packaging/bench/h200.sh demo68    # stop 68: the demo's rows at depths 0-4 and auto, then auto_ab.py
 #   bash packaging/bench/h200.sh records68 # stop 68 (H200): #23's 80B-A3B in FP8 and #28's 27B in bf16, compiled
 #   bash packaging/bench/h200.sh stop66    # stop 66: auto_overhead.py (plain picks held); then on an H200 fp8x62's records,
 #                                         # elsewhere the demo's rows at depths 0-3 and auto
@@ -695,6 +696,12 @@ device='cuda'); print(e.trunk.backends.choice['gdn_recurrent'], gdn_triton._chos
       --json "$OUT/cycle_demo_gdn68.json" 2>&1 | grep depth
   gpu_tests $((590 - SECONDS)) "$OUT/gpu_tests_gdn68.log" tests/test_gdn_triton.py tests/test_linear16_triton.py \
       tests/test_fp8_triton.py
+  ;;
+demo68)  # stop 68 (under 7 minutes): the demo model's rows at depths 0-4 and auto after gdn_triton and streamrows,
+  # then auto_ab.py's alternating rounds as time allows
+  BENCH_TIMEOUT=230 bench --model engine/assets/demo --depths 0,1,2,3,4,auto --drafter mtp --max-new-tokens 256 \
+      --repeat 3 --no-hf --out "$OUT/bench_demo_stop68.json" | grep -E "auto|mtp|none|rror"
+  timeout $((380 - SECONDS)) python3 packaging/bench/auto_ab.py --rounds 24 2>&1 | tail -1 | cut -c1-900
   ;;
 records68)  # stop 68 (needs an H200, under 10 minutes): the records alone, first in the call (#23's whole 80B-A3B in
   # FP8, then #28's 27B shape in bf16, both --compile, plain and depth 3 at acceptance 1.0)
