@@ -12,16 +12,13 @@ import torch
 from engine import gdn_triton
 from engine.kernels import Backends, Kernel, run_gdn, torch_recurrent
 from test_exactness import assert_exact_with_kernel
+from test_swiglu_triton import tolerance
 from triton_front import compile_for_gpu
 
 
 @pytest.fixture(scope="module")
 def device(triton_device):  # conftest.py: CUDA, or the interpreter on the CPU
     return triton_device
-
-
-def tolerance(dtype):
-    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 * 2**-7, atol=2 * 2**-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
