@@ -82,6 +82,11 @@ def test_install_checks_times_and_records_the_choice_and_keeps_the_reference_whe
     assert set(gdn_triton._chosen) == {(4, 16, 16, 1, index), (4, 16, 16, 8, index)}
     # where FLA cannot run, the kernel wins at every width
     assert all(c in gdn_triton.CONFIGS for c in gdn_triton._chosen.values())
+    # a second load in the process reuses the timings (the bench and the app load engines again)
+    monkeypatch.setattr(gdn_triton, "_timed", lambda *a: pytest.fail("timed again"))
+    b = Backends()
+    gdn_triton.install(b, layers, device, torch.float32)
+    assert b.choice["gdn_recurrent"][0] == "triton", b.choice["gdn_recurrent"]
     monkeypatch.setattr(gdn_triton, "_chosen", {})
     monkeypatch.setenv("MTPCHAT_GDN_RECURRENT", "torch")
     b = Backends()
