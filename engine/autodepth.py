@@ -34,6 +34,17 @@ WEIGHT = 0.15  # running means of the costs: the weight of the newest cycle (abo
 # head's profile 0.962 -> 0.976, flat 0 0.973 -> 0.970); a reply whose text turns hard is followed a few cycles
 # later ('changing': 1.066 -> 1.041 of the best fixed depth); the 27B H200 costs: within 0.003 either way
 ACCEPTANCE_WEIGHT = 0.1
+# a fall from drafting to plain decoding needs plain decoding to be faster even at every position's acceptance
+# estimate plus FALL_DOUBT standard errors (spread): on estimates a few cycles deep a fall is often a dip of the
+# running mean, and plain cycles judge nothing, so that it held for PROBE_MAX cycles (the demo model on an H100:
+# auto 0.93 of depth 3 over 24 rounds, bimodal, 1,633 of its 3,494 cycles plain, auto_ab_stop68_h100.json). Drafting
+# on instead judges the positions again. auto_sim, 200 seeds of 256 tokens, --known-costs, auto / best fixed depth
+# in expectation (0 -> 2): --costs h100-demo-68 --switch-ms 0.37: demo-gpu-65 0.945 -> 0.989, demo-gpu 0.936 ->
+# 0.980, flat 0.5 0.976 -> 0.982, flat 0 0.956 -> 0.970, hard-easy x4 0.935 -> 0.954, changing 1.181 -> 1.123,
+# hard then easy 1.152 -> 1.120; cpu-demo-onednn --switch-ms 3.8: flat 0.5 0.936 -> 0.977, hard-easy x4 0.908 ->
+# 0.952, demo-gpu-65 0.969 -> 0.983, hard then easy 1.023 -> 0.992; h200-27b: flat 0 0.990 -> 0.982, the rest
+# within 0.005 or higher
+FALL_DOUBT = 2.0
 PROBE_EVERY = 16
 # a probe is due once the cycles since the last one have spent 1 / PROBE_SHARE times its cost (probe_loss: what a
 # cycle one position deeper costs over the chosen depth's time for the tokens it is expected to commit; with every
@@ -185,7 +196,7 @@ class DepthChooser:
         costs = self.costs()
         by_depth = rates(self.acceptance, costs)
         self.why = "expected tok/s by depth " + ", ".join(f"{j}: {r * 1e3:.0f}" for j, r in enumerate(by_depth))
-        k = self.probe(self.worth_falling(best_depth(by_depth), by_depth), costs)
+        k = self.probe(self.worth_falling(best_depth(by_depth), by_depth, costs), costs)
         self.held = self.hold(costs) if k == 0 and not self.probing and 0 in self.cost else 0
         if self.held:
             self.why += f"; held {self.held} cycles"
@@ -204,20 +215,29 @@ class DepthChooser:
             due = min(PROBE_MAX - s, max(PROBE_EVERY - s, int((extra / PROBE_SHARE - self.since_probe_ms) / c0)))
         return max(0, min(due - 2, HOLD_MAX))  # (a pick early rather than a probe late: the sums round)
 
-    def worth_falling(self, k: int, by_depth: list[float]) -> int:
-        """k, or the best drafting depth where k = 0 comes from drafting but saves less over the PROBE_EVERY plain
-        cycles before the next probe than the switch costs when drafting resumes (switch_ms). On estimates a few
-        cycles deep a fall is often noise, and plain decoding judges nothing: the demo model on an H100 (a 0.30 ms
-        plain step, 0.33 of switch) fell on a dip and stayed plain for ~60 cycles (auto_sim --costs h100-demo-62
-        --switch-ms 0.33 --known-costs: profile demo-gpu-62 0.903 -> 0.917 of depth 4, the realistic 0.941 ->
-        0.957; the 27B's and the CPU's within 0.005)."""
-        if k > 0 or not self.last_depth or not self.switch_ms:
+    def worth_falling(self, k: int, by_depth: list[float], costs: list[float]) -> int:
+        """k, or the best drafting depth where k = 0 comes from drafting but is not sure: plain decoding is not
+        faster at every position's acceptance estimate plus FALL_DOUBT spreads. A fall on a dip of the estimates
+        holds plain decoding, which judges nothing, until a probe: PROBE_MAX cycles where a probe is dear. (It
+        replaces a rule that kept drafting where the plain cycles before the next probe would save less than the
+        switch back costs, switch_ms: stop 62's demo-gpu-62 0.903 -> 0.917 of depth 4 on the demo's H100 costs;
+        with this rule that one changes no auto_sim result.)"""
+        if k > 0 or not self.last_depth:
             return k
         j = best_depth([0.0] + by_depth[1:])
-        if PROBE_EVERY * (1 / by_depth[j] - 1 / by_depth[0]) >= self.switch_ms:
+        hopeful = rates([min(a + FALL_DOUBT * self.spread(i), 1.0) for i, a in enumerate(self.acceptance)], costs)
+        if max(hopeful[1:]) <= by_depth[0]:
             return k
-        self.why += f"; depth {j} kept: plain decoding would save less than the switch back costs"
+        self.why += f"; depth {j} kept: plain decoding is faster only within {FALL_DOUBT:g} spreads of acceptance"
         return j
+
+    def spread(self, i: int) -> float:
+        """The standard error of position i's acceptance estimate, taken at the estimate: a running mean's at
+        ACCEPTANCE_WEIGHT, a(1 - a) w / (2 - w). (Not the plain mean's of a reply's first cycles, mean_first: with
+        its spread a reply whose text starts hard drafted on through its first cycles, auto_sim's hard then easy
+        1.120 -> 1.025 of the best fixed depth on the demo's H100 costs.)"""
+        a, w = self.acceptance[i], ACCEPTANCE_WEIGHT
+        return (a * (1.0 - a) * w / (2.0 - w)) ** 0.5
 
     def floors(self, k: int) -> list[float]:
         """stop_floors for this cycle's depth k from the running estimates, added to why (its chain stops early

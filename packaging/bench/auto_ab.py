@@ -73,7 +73,9 @@ for name, rs in rows.items():
             depths[d] = depths.get(d, 0) + c
     res[name] = {"median_tok_s": statistics.median(rates), "mean_tok_s": statistics.mean(rates),
                  "median_vs_plain": statistics.median(rates) / plain, "mean_vs_plain": statistics.mean(rates) / plain,
-                 "depths": depths, "start_plain_ms": [None if r[2] is None else round(r[2], 4) for r in rs]}
-print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "start_plain_ms"} if isinstance(v, dict) else v)
+                 "depths": depths, "start_plain_ms": [None if r[2] is None else round(r[2], 4) for r in rs],
+                 "tok_s": [round(r, 1) for r in rates]}
+print(json.dumps({k: ({kk: vv for kk, vv in v.items() if kk not in ("start_plain_ms", "tok_s")} if isinstance(v, dict)
+                      else v)
                   for k, v in res.items()}))
 json.dump(res, open(os.environ.get("OUT", "/tmp") + "/auto_ab.json", "w"), indent=1)

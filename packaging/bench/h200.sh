@@ -93,6 +93,8 @@
 #   bash packaging/bench/h200.sh gdn68     # stop 68: our GDN recurrence for a few tokens: GPU tests, demo A/B, cycle profile
 #   bash packaging/bench/h200.sh demo68    # stop 68: the demo's rows at depths 0-4 and auto, then auto_ab.py
 #   bash packaging/bench/h200.sh records68 # stop 68 (H200): #23's 80B-A3B in FP8 and #28's 27B in bf16, compiled
+#   bash packaging/bench/h200.sh stop69    # stop 69: the demo's rows at depths 0-4 and auto, then auto_ab.py: auto
+#                                         # without FALL_DOUBT (A) against with it (B, the default)
 #   bash packaging/bench/h200.sh stop66    # stop 66: auto_overhead.py (plain picks held); then on an H200 fp8x62's records,
 #                                         # elsewhere the demo's rows at depths 0-3 and auto
 #   bash packaging/bench/h200.sh stop66b   # the same's first two parts alone (under 5 minutes)
@@ -702,6 +704,14 @@ demo68)  # stop 68 (under 7 minutes): the demo model's rows at depths 0-4 and au
   BENCH_TIMEOUT=230 bench --model engine/assets/demo --depths 0,1,2,3,4,auto --drafter mtp --max-new-tokens 256 \
       --repeat 3 --no-hf --out "$OUT/bench_demo_stop68.json" | grep -E "auto|mtp|none|rror"
   timeout $((380 - SECONDS)) python3 packaging/bench/auto_ab.py --rounds 24 2>&1 | tail -1 | cut -c1-900
+  ;;
+stop69)  # stop 69 (under 10 minutes): the demo model's rows at depths 0-4 and auto (auto falls to plain decoding only
+  # where it is faster at the acceptance estimates plus FALL_DOUBT spreads), then auto_ab.py's alternating rounds,
+  # auto without that doubt (A) and with it (B)
+  BENCH_TIMEOUT=230 bench --model engine/assets/demo --depths 0,1,2,3,4,auto --drafter mtp --max-new-tokens 256 \
+      --repeat 3 --no-hf --out "$OUT/bench_demo_stop69.json" | grep -E "auto|mtp|none|rror"
+  timeout $((585 - SECONDS)) python3 packaging/bench/auto_ab.py --rounds 40 --a FALL_DOUBT=0 --b FALL_DOUBT=2 \
+      2>&1 | tail -1 | cut -c1-1200
   ;;
 records68)  # stop 68 (needs an H200, under 10 minutes): the records alone, first in the call (#23's whole 80B-A3B in
   # FP8, then #28's 27B shape in bf16, both --compile, plain and depth 3 at acceptance 1.0)
