@@ -95,6 +95,7 @@
 #   bash packaging/bench/h200.sh records68 # stop 68 (H200): #23's 80B-A3B in FP8 and #28's 27B in bf16, compiled
 #   bash packaging/bench/h200.sh stop69    # stop 69: the demo's rows at depths 0-4 and auto, then auto_ab.py: auto
 #                                         # without FALL_DOUBT (A) against with it (B, the default)
+#   bash packaging/bench/h200.sh demo69    # the same shorter (under 5 minutes on a warm machine), then reply_overhead.py
 #   bash packaging/bench/h200.sh stop66    # stop 66: auto_overhead.py (plain picks held); then on an H200 fp8x62's records,
 #                                         # elsewhere the demo's rows at depths 0-3 and auto
 #   bash packaging/bench/h200.sh stop66b   # the same's first two parts alone (under 5 minutes)
@@ -712,6 +713,14 @@ stop69)  # stop 69 (under 10 minutes): the demo model's rows at depths 0-4 and a
       --repeat 3 --no-hf --out "$OUT/bench_demo_stop69.json" | grep -E "auto|mtp|none|rror"
   timeout $((585 - SECONDS)) python3 packaging/bench/auto_ab.py --rounds 40 --a FALL_DOUBT=0 --b FALL_DOUBT=2 \
       2>&1 | tail -1 | cut -c1-1200
+  ;;
+demo69)  # stop 69 (under 5 minutes on a warm machine): stop69's rows and rounds, fewer, then reply_overhead.py (plain
+  # and depth 3 with the turn's reuse on and off)
+  BENCH_TIMEOUT=150 bench --model engine/assets/demo --depths 0,1,2,3,4,auto --drafter mtp --max-new-tokens 256 \
+      --repeat 3 --no-hf --out "$OUT/bench_demo_demo69.json" | grep -E "auto|mtp|none|rror"
+  timeout 100 python3 packaging/bench/auto_ab.py --rounds 20 --a FALL_DOUBT=0 --b FALL_DOUBT=2 2>&1 | tail -1 \
+      | cut -c1-1200
+  timeout $((290 - SECONDS)) python3 packaging/bench/reply_overhead.py 2>&1 | tail -1
   ;;
 records68)  # stop 68 (needs an H200, under 10 minutes): the records alone, first in the call (#23's whole 80B-A3B in
   # FP8, then #28's 27B shape in bf16, both --compile, plain and depth 3 at acceptance 1.0)
