@@ -720,7 +720,7 @@ demo69)  # stop 69 (under 5 minutes on a warm machine): stop69's rows and rounds
       --repeat 3 --no-hf --out "$OUT/bench_demo_demo69.json" | grep -E "auto|mtp|none|rror"
   timeout 100 python3 packaging/bench/auto_ab.py --rounds 20 --a FALL_DOUBT=0 --b FALL_DOUBT=2 2>&1 | tail -1 \
       | cut -c1-1200
-  timeout $((290 - SECONDS)) python3 packaging/bench/reply_overhead.py 2>&1 | tail -1
+  timeout $((330 - SECONDS)) python3 packaging/bench/reply_overhead.py --rounds 6 2>&1 | tail -1
   ;;
 records68)  # stop 68 (needs an H200, under 10 minutes): the records alone, first in the call (#23's whole 80B-A3B in
   # FP8, then #28's 27B shape in bf16, both --compile, plain and depth 3 at acceptance 1.0)
