@@ -238,8 +238,9 @@ class Ahead:
 
     def __init__(self, width: int, hidden_size: int, dtype, device):
         self.pos = torch.zeros((), dtype=torch.long, device=device)
-        self.last = torch.zeros((1, 1), dtype=torch.long, device=device)
-        self.first = torch.zeros(1, dtype=torch.long, device=device)
+        # a cycle's tokens [1, T]: the last committed token, the head's first draft, the chain's drafts
+        self.row = torch.zeros((1, width), dtype=torch.long, device=device)
+        self.last, self.first = self.row[:, :1], self.row[0, 1:2]
         self.h = torch.zeros((1, 1, hidden_size), dtype=dtype, device=device)
         self.prev = torch.full((1 + width,), -1, dtype=torch.long, device=device)
         self.stops = torch.full((STOPS,), -1, dtype=torch.long, device=device)
@@ -369,7 +370,8 @@ class GraphRunner:
         pos = trunk.positions(pos, T)  # (once for the trunk and the head)
         rope = trunk.rope(pos, T)
         hidden = trunk.forward(tokens, pos, caches, verify=True, rope=rope)
-        logits = trunk.logits(hidden[0])
+        # (with the head's refresh the pass is greedy: only the logits' argmax is read, the same in 16 bits)
+        logits = trunk.logits(hidden[0], upcast=drafter is None)
         if trunk.backends.cycle == "triton":
             from .cycle_triton import accept
 
@@ -410,8 +412,9 @@ class GraphRunner:
             pos = a.pos
             keep_first(state, stash, settle(a, width, trunk.backends), width, trunk.backends)
             splits[0].record()
-            drafts = drafter.chained(a.h, a.first, pos, T - 2) if T > 2 else a.first[:0]
-            tokens = torch.cat([a.last.view(1), a.first, drafts]).view(1, T)
+            if T > 2:  # (into the row after the last token and the first draft: no concatenation)
+                drafter.chained(a.h, a.first, pos, T - 2, into=a.row[0, 2:T])
+            tokens = a.row[:, :T]
             splits[1].record()
             hidden, logits, packed, first, h = self.verified(tokens, pos, caches, drafter, splits[2])
             a.prev[: 1 + T].copy_(packed[: 1 + T])
@@ -421,7 +424,7 @@ class GraphRunner:
 
         def ready(turn):  # (captured at a start, both of a width at once: a reply replays the same graphs)
             splits = [self.split(("cycle", T, turn, i)) for i in range(3)]
-            written = (state.conv, state.recurrent, a.pos, a.last, a.first, a.h, a.prev)
+            written = (state.conv, state.recurrent, a.pos, a.row, a.h, a.prev)
             return graphs.try_ready(key, (), None, lambda _: step(splits), "cycle graph",
                                     lambda _: put_back(written, lambda: step(splits)), width=(T, turn)), splits
 

@@ -473,6 +473,9 @@ def layer_slots(kinds: list[str]) -> list[int]:
     return slots
 
 
+OFFSETS = 256  # positions() of passes up to this many tokens (graphs.PREFILL_WIDTHS' widest) add a kept arange
+
+
 @dataclass
 class Trunk:
     """The loaded text model plus everything the engine needs to run it."""
@@ -511,6 +514,9 @@ class Trunk:
         choose_kv_cache(self)
         choose_decode_attention(self)
         choose_launch(self.backends, self.device)
+        # 0, 1, 2, ... for positions(): a graph's pass adds it to its position, one launch (an arange there was a
+        # second, twice a cycle graph: the verify pass's and the head's chain)
+        self.offsets = torch.arange(OFFSETS, device=self.device)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum partial outputs of row-parallel projections across ranks (identity on one device)."""
@@ -561,7 +567,7 @@ class Trunk:
         the positions [T], once per pass, which the rope and every attention layer then share."""
         if isinstance(pos, int) or pos.dim() == 1:
             return pos
-        return pos + torch.arange(T, device=self.device)
+        return pos + (self.offsets[:T] if T <= OFFSETS else torch.arange(T, device=self.device))
 
     def rope(self, pos, T: int):
         """cos, sin [1, T, rotary dim] of positions pos..pos+T-1: the trunk's layers and the MTP head's (a verify

@@ -96,6 +96,7 @@
 #   bash packaging/bench/h200.sh stop69    # stop 69: the demo's rows at depths 0-4 and auto, then auto_ab.py: auto
 #                                         # without FALL_DOUBT (A) against with it (B, the default)
 #   bash packaging/bench/h200.sh demo69    # the same shorter (under 5 minutes on a warm machine), then reply_overhead.py
+#   bash packaging/bench/h200.sh cycle69   # stop 69: fewer launches in a cycle graph: GPU tests, the demo's rows, the profile
 #   bash packaging/bench/h200.sh stop66    # stop 66: auto_overhead.py (plain picks held); then on an H200 fp8x62's records,
 #                                         # elsewhere the demo's rows at depths 0-3 and auto
 #   bash packaging/bench/h200.sh stop66b   # the same's first two parts alone (under 5 minutes)
@@ -681,7 +682,7 @@ switch67)  # stop 67 (under 7 minutes): a switch from plain decoding and a reply
   gpu_tests 240 "$OUT/gpu_tests_switch67.log" tests/test_gpu.py::test_cuda_graphs_certified_and_lossless \
         tests/test_host_embedding.py::test_host_table_exact_in_graphs_and_off_the_gpu
   timeout 150 python3 packaging/bench/auto_ab.py --rounds 40 2>&1 | tail -1 | cut -c1-900
-  BENCH_TIMEOUT=100 bench --model engine/assets/demo --depths 0,3,auto --drafter mtp --max-new-tokens 256 --repeat 3 \
+  BENCH_TIMEOUT=90 bench --model engine/assets/demo --depths 0,3 --drafter mtp --max-new-tokens 256 --repeat 3 \
         --no-hf --out "$OUT/bench_demo_switch67.json" | grep -E "auto|mtp|none|rror"
   ;;
 gdn68)  # stop 68 (under 10 minutes): our GDN recurrence for a few tokens (gdn_triton.py) and the stream form's tiles
@@ -721,6 +722,16 @@ demo69)  # stop 69 (under 5 minutes on a warm machine): stop69's rows and rounds
   timeout 100 python3 packaging/bench/auto_ab.py --rounds 20 --a FALL_DOUBT=0 --b FALL_DOUBT=2 2>&1 | tail -1 \
       | cut -c1-1200
   timeout $((330 - SECONDS)) python3 packaging/bench/reply_overhead.py --rounds 6 2>&1 | tail -1
+  ;;
+cycle69)  # stop 69 (under 6 minutes): a cycle graph's tokens in one row (no concatenations), positions from a kept
+  # arange (one launch, not two), a greedy verify pass's logits left in 16 bits (argmax alone reads them): the GPU
+  # tests of graphs and cycles, the demo's rows at depths 0 and 3, then the cycle profile
+  gpu_tests 120 "$OUT/gpu_tests_cycle69.log" tests/test_gpu.py::test_cuda_graphs_certified_and_lossless \
+        tests/test_cycle_triton.py tests/test_host_embedding.py::test_host_table_exact_in_graphs_and_off_the_gpu
+  BENCH_TIMEOUT=90 bench --model engine/assets/demo --depths 0,3 --drafter mtp --max-new-tokens 256 \
+      --repeat 3 --no-hf --out "$OUT/bench_demo_cycle69.json" | grep -E "auto|mtp|none|rror"
+  timeout $((290 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
+      --json "$OUT/cycle_demo_cycle69.json" 2>&1 | grep depth
   ;;
 records68)  # stop 68 (needs an H200, under 10 minutes): the records alone, first in the call (#23's whole 80B-A3B in
   # FP8, then #28's 27B shape in bf16, both --compile, plain and depth 3 at acceptance 1.0)
