@@ -726,10 +726,10 @@ demo69)  # stop 69 (under 5 minutes on a warm machine): stop69's rows and rounds
 cycle69)  # stop 69 (under 6 minutes): a cycle graph's tokens in one row (no concatenations), positions from a kept
   # arange (one launch, not two), a greedy verify pass's logits left in 16 bits (argmax alone reads them): the GPU
   # tests of graphs and cycles, the demo's rows at depths 0 and 3, then the cycle profile
-  gpu_tests 120 "$OUT/gpu_tests_cycle69.log" tests/test_gpu.py::test_cuda_graphs_certified_and_lossless \
+  gpu_tests 100 "$OUT/gpu_tests_cycle69.log" tests/test_gpu.py::test_cuda_graphs_certified_and_lossless \
         tests/test_cycle_triton.py tests/test_host_embedding.py::test_host_table_exact_in_graphs_and_off_the_gpu
-  BENCH_TIMEOUT=90 bench --model engine/assets/demo --depths 0,3 --drafter mtp --max-new-tokens 256 \
-      --repeat 3 --no-hf --out "$OUT/bench_demo_cycle69.json" | grep -E "auto|mtp|none|rror"
+  BENCH_TIMEOUT=60 bench --model engine/assets/demo --depths 0,3 --drafter mtp --max-new-tokens 256 \
+      --repeat 2 --no-hf --out "$OUT/bench_demo_cycle69.json" | grep -E "auto|mtp|none|rror"
   timeout $((290 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
       --json "$OUT/cycle_demo_cycle69.json" 2>&1 | grep depth
   ;;
