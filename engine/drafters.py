@@ -81,19 +81,18 @@ class MTPDrafter:
         return self.chains.try_run(self.cache.serial, (h, token), pos, step, "MTP draft graph", width=n)
 
     def chained(self, h: torch.Tensor, token: torch.Tensor, pos, n: int, into: torch.Tensor | None = None):
-        """chain's steps, to be captured (pos on the device): n greedy drafts [n], written into `into` [n] where
-        given (a cycle graph's row of tokens: no concatenation). The steps' positions and rope table are computed
-        once for the chain (per step they cost three launches and one more)."""
+        """chain's steps, to be captured (pos on the device): n greedy drafts [n], each argmax written into its
+        place in `into` [n] (given: a cycle graph's row of tokens), none concatenated. The steps' positions and
+        rope table are computed once for the chain (per step they cost three launches and one more)."""
         trunk = self.head.trunk
         positions = trunk.positions(pos, n)
         cos, sin = trunk.rope(positions, n)
-        out = []
+        into = torch.empty(n, dtype=torch.long, device=token.device) if into is None else into
         for j in range(n):
             logits, h = self.head(h, token.view(1, 1), positions[j : j + 1], self.cache, last_only=True,
                                   upcast=False, rope=(cos[:, j : j + 1], sin[:, j : j + 1]))
-            token = torch.argmax(logits[:, -1], -1, out=into[j : j + 1] if into is not None else None)
-            out.append(token)
-        return into if into is not None else torch.cat(out)
+            token = torch.argmax(logits[:, -1], -1, out=into[j : j + 1])
+        return into
 
     def reset(self) -> None:
         self.cache.trim(0)
