@@ -97,6 +97,8 @@
 #                                         # without FALL_DOUBT (A) against with it (B, the default)
 #   bash packaging/bench/h200.sh demo69    # the same shorter (under 5 minutes on a warm machine), then reply_overhead.py
 #   bash packaging/bench/h200.sh cycle69   # stop 69: fewer launches in a cycle graph: GPU tests, the demo's rows, the profile
+#   bash packaging/bench/h200.sh demo70    # stop 70: cycle69's tests, the 16-bit forms at the demo's shapes (wide rows), rows,
+#                                         # the cycle profile
 #   bash packaging/bench/h200.sh stop66    # stop 66: auto_overhead.py (plain picks held); then on an H200 fp8x62's records,
 #                                         # elsewhere the demo's rows at depths 0-3 and auto
 #   bash packaging/bench/h200.sh stop66b   # the same's first two parts alone (under 5 minutes)
@@ -732,6 +734,21 @@ cycle69)  # stop 69 (under 6 minutes): a cycle graph's tokens in one row (no con
       --repeat 2 --no-hf --out "$OUT/bench_demo_cycle69.json" | grep -E "auto|mtp|none|rror"
   timeout $((290 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
       --json "$OUT/cycle_demo_cycle69.json" 2>&1 | grep depth
+  ;;
+demo70)  # stop 70 (under 9 minutes): stop 69's cycle graphs verified (their GPU tests, the linear16 tests), every
+  # 16-bit kernel form at the demo's shapes at 1 and 4 rows (the row form's wide tiles new), the demo's rows at depths
+  # 0, 3 and auto, then the cycle profile
+  gpu_tests 120 "$OUT/gpu_tests_demo70.log" tests/test_gpu.py::test_cuda_graphs_certified_and_lossless \
+        tests/test_cycle_triton.py tests/test_host_embedding.py::test_host_table_exact_in_graphs_and_off_the_gpu \
+        tests/test_linear16_triton.py
+  timeout 150 python3 packaging/bench/quant_kernels.py --quant bf16 --shapes demo --rows 1,4 \
+      --json "$OUT/quant_kernels_bf16_demo70.json" 2>&1 | grep "rows [14]:"
+  timeout 60 python3 -c "from engine import load_engine, linear16_triton as l; e = load_engine('engine/assets/demo', \
+device='cuda'); print(l._chosen)" 2>&1 | tail -1 | tee "$OUT/linear16_choice70.txt"
+  BENCH_TIMEOUT=90 bench --model engine/assets/demo --depths 0,3,auto --drafter mtp --max-new-tokens 256 \
+      --repeat 3 --no-hf --out "$OUT/bench_demo_demo70.json" | grep -E "auto|mtp|none|rror"
+  timeout $((500 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
+      --json "$OUT/cycle_demo_demo70.json" 2>&1 | grep depth
   ;;
 records68)  # stop 68 (needs an H200, under 10 minutes): the records alone, first in the call (#23's whole 80B-A3B in
   # FP8, then #28's 27B shape in bf16, both --compile, plain and depth 3 at acceptance 1.0)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from engine import fp8, fp8_triton, int4_triton  # noqa: E402
+from engine import fp8, fp8_triton, int4_triton, linear16_triton  # noqa: E402
 from engine.splitk import graph_ms  # noqa: E402
 
 # (name, N, K): the 27B shape's quantized linears, fused where fusion.py fuses them (as fp8_ops.py's)
@@ -32,6 +32,9 @@ BF16_SHAPES = {
     "27b": [("attn qkv (fused)", 14336, 5120), ("attn o_proj", 5120, 6144), ("gdn in_proj (fused)", 16480, 5120),
             ("gdn out_proj", 5120, 6144), ("mlp gate_up (fused)", 34816, 5120), ("mlp down_proj", 5120, 17408),
             ("gdn in_proj_ba (fused)", 96, 5120), ("lm_head", 248320, 5120)],
+    "demo": [("gdn in_proj (fused)", 1552, 384), ("gdn out_proj", 384, 512), ("attn qkv (fused)", 1024, 384),
+             ("attn o_proj", 384, 384), ("mlp gate_up (fused)", 1536, 384), ("mlp down_proj", 384, 768),
+             ("lm_head", 8192, 384)],
     "80b": [("attn qkv (fused)", 9216, 2048), ("attn o_proj", 2048, 4096), ("gdn in_proj (fused)", 12352, 2048),
             ("gdn out_proj", 2048, 4096), ("gdn in_proj_ba (fused)", 64, 2048), ("router + shared gate", 513, 2048)],
 }
@@ -55,6 +58,7 @@ def fp8_case(n: int, k: int):
 def bf16_case(n: int, k: int):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     configs = {kind: c + (NARROW if kind != "stream" else []) for kind, c in fp8_triton.CONFIGS.items()}
+    configs["rows"] = configs["rows"] + linear16_triton.WIDE_ROWS  # (16-bit weights: tiles of a whole row)
     return (lambda x, choice: fp8_triton._launch(x, w, None, choice)), configs, w.numel() * 2
 
 
