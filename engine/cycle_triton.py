@@ -8,7 +8,10 @@ thirty-five torch ops, each a graph node of ~2 us on a small model (the demo's d
   and each GDN layer's conv window moved to the one ending at token n (gdn.window_at), for all layers at once;
   the recurrence over the stash is then FLA's one launch, as before (gdn.keep_first);
 - `accept`: greedy acceptance packed from the target's argmax (sampling.accept_greedy's comparison, cast,
-  cumprod, sum and cat).
+  cumprod, sum and cat);
+- `argmax`: greedy decoding's token, a program a row (torch's reduction took 4.9-5.4 us a call at the demo's
+  8,192-token vocabulary on the H100, cycle_demo_gdn68_h100.json: about four calls a depth-3 cycle, one a plain
+  step); chosen where it is timed faster than torch's at load, for the model's vocabulary (a long one loops).
 
 They only compare, select and copy: they equal the torch forms exactly, which the self-check at load asserts.
 Zeroing the stash in place is safe because the graph's verify pass writes it again before anything reads it.
@@ -28,6 +31,7 @@ except ImportError:  # CPU-only installs: the module still imports, install() sa
     triton = None
 
 BLOCK = 1024  # columns a program: the 27B shape's 10,240 conv channels in 10 programs a layer
+ARGMAX_BLOCK = 8192  # logits a step of argmax's loop (the demo's whole vocabulary in one)
 
 
 if triton is not None:
@@ -85,10 +89,10 @@ if triton is not None:
 
 
     @triton.jit
-    def _accept_kernel(targets_ptr, tokens_ptr, out_ptr, T: tl.constexpr, BT: tl.constexpr,
-                       PDL: tl.constexpr = False):
+    def _accept_kernel(targets_ptr, tokens_ptr, out_ptr, also_ptr, T: tl.constexpr, BT: tl.constexpr,
+                       ALSO: tl.constexpr, PDL: tl.constexpr = False):
         """out = [m, targets (T), drafts (T - 1)]: m = the drafts (tokens 1..T-1) equal to the targets before the
-        first that is not."""
+        first that is not; ALSO: [m, targets] into also_ptr too."""
         after_previous(PDL)
         i = tl.arange(0, BT)
         targets = tl.load(targets_ptr + i, mask=i < T, other=-1)
@@ -97,14 +101,49 @@ if triton is not None:
         tl.store(out_ptr, m)
         tl.store(out_ptr + 1 + i, targets, mask=i < T)
         tl.store(out_ptr + 1 + T + i, drafts, mask=i < T - 1)
+        if ALSO:
+            tl.store(also_ptr, m)
+            tl.store(also_ptr + 1 + i, targets, mask=i < T)
 
 
-def accept(targets: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    @triton.jit
+    def _argmax_kernel(x_ptr, out_ptr, V, stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """out[row] = the first column of row's largest value (torch.argmax's choice among ties)."""
+        after_previous(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        best = tl.full((), float("-inf"), tl.float32)
+        at = tl.full((), 0, tl.int32)
+        for start in range(0, V, BLOCK):
+            x = tl.load(x_ptr + row * stride + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            top = tl.max(x, 0)
+            where = start + tl.argmax(x, 0, tie_break_left=True).to(tl.int32)
+            at = tl.where(top > best, where, at)  # (a later block's tie keeps the earlier column)
+            best = tl.maximum(best, top)
+        tl.store(out_ptr + row, at.to(tl.int64))
+
+
+def argmax(x: torch.Tensor, backends, out: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.argmax(x, -1) [...] (written into out, of as many elements, where given), by the kernel where
+    backends.argmax is "triton" (x's rows contiguous)."""
+    if (backends is None or backends.argmax != "triton" or x.stride(-1) != 1
+            or (out is not None and not out.is_contiguous())):
+        return torch.argmax(x, -1) if out is None else torch.argmax(x, -1, out=out.view(x.shape[:-1]))
+    V = x.shape[-1]
+    rows = x.reshape(-1, V)
+    out = torch.empty(x.shape[:-1], dtype=torch.long, device=x.device) if out is None else out
+    _argmax_kernel[(rows.shape[0],)](rows, out, V, rows.stride(0), BLOCK=ARGMAX_BLOCK, num_warps=8, **pdl(rows))
+    return out
+
+
+def accept(targets: torch.Tensor, tokens: torch.Tensor, also: torch.Tensor | None = None) -> torch.Tensor:
     """sampling.accept_greedy in one launch, from the target's argmax targets [T] (long) and the verified tokens
-    [1, T] (t_n, then the T - 1 drafts; contiguous): [m, targets, drafts] [2T] (long)."""
+    [1, T] (t_n, then the T - 1 drafts; contiguous): [m, targets, drafts] [2T] (long); its first 1 + T written
+    into `also` too where given (a cycle graph's Ahead.prev: no copy after)."""
     T = targets.shape[0]
     out = torch.empty(2 * T, dtype=torch.long, device=targets.device)
-    _accept_kernel[(1,)](targets, tokens, out, T=T, BT=triton.next_power_of_2(T), num_warps=1, **pdl(out))
+    _accept_kernel[(1,)](targets, tokens, out, out if also is None else also, T=T, BT=triton.next_power_of_2(T),
+                         ALSO=also is not None, num_warps=1, **pdl(out))
     return out
 
 
@@ -175,15 +214,40 @@ def _self_check(device) -> bool:
     for T, drafts in ((1, []), (2, [4]), (4, [5, 6, 1]), (5, [5, 6, 7, 8])):
         targets = torch.tensor([5, 6, 7, 8, 9][:T], device=device)
         tokens = torch.tensor([[3, *drafts]], device=device)
-        if not torch.equal(accept(targets, tokens), accept_greedy(torch.nn.functional.one_hot(targets, 10).float(),
-                                                                  tokens)):
+        also = torch.full((8,), -7, dtype=torch.long, device=device)
+        want = accept_greedy(torch.nn.functional.one_hot(targets, 10).float(), tokens)
+        if not (torch.equal(accept(targets, tokens, also), want) and torch.equal(also[: 1 + T], want[: 1 + T])
+                and bool((also[1 + T:] == -7).all())):
             return False
+    return argmax_is_torchs(device)
+
+
+def argmax_is_torchs(device) -> bool:
+    """The argmax kernel against torch.argmax: float32 and bf16 rows, ties (the first column wins) inside a block
+    and across two of them."""
+    from types import SimpleNamespace
+
+    on = SimpleNamespace(argmax="triton")
+    gen = torch.Generator(device=device).manual_seed(1)
+    for V in (300, ARGMAX_BLOCK + 300):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(5, V, generator=gen, device=device).to(dtype)
+            x[1, 250] = x[1, 20] = x[1].max() + 1  # a tie in one block
+            x[2, V - 3] = x[2, 7] = x[2].max() + 1  # across blocks where V is past one
+            out = torch.full((5,), -1, dtype=torch.long, device=device)
+            if not (torch.equal(argmax(x, on), x.argmax(-1)) and torch.equal(argmax(x, on, out), x.argmax(-1))):
+                return False
     return True
 
 
-def install(backends, device: torch.device) -> None:
+def install(backends, device: torch.device, vocab: int | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
     """backends.cycle = "triton" where the kernels may run and equal the torch forms at load (error 0; anything
-    else is inf); the reason in backends.choice["cycle"] either way."""
+    else is inf); the reason in backends.choice["cycle"] either way. Then backends.argmax = "triton" where the
+    argmax kernel, timed in a CUDA graph over a row of `vocab` logits in dtype, beats torch's."""
+    from types import SimpleNamespace
+
+    from .splitk import fastest
+
     why, _ = self_checked(why_not(torch.device(device)), "cycle", "MTPCHAT_CYCLE_KERNELS",
                           lambda: 0.0 if _self_check(device) else float("inf"))
     if why is None:
@@ -192,3 +256,11 @@ def install(backends, device: torch.device) -> None:
                                               "before them in Triton kernels (self-check: equal to the torch form)")
     else:
         backends.choice["cycle"] = ("torch", f"graphs' acceptance and commit as torch ops ({why})")
+        return
+    if vocab is None:
+        return
+    x = torch.randn(1, vocab, device=device).to(dtype)
+    pick = fastest(["torch", "triton"], lambda c: argmax(x, SimpleNamespace(argmax=c)))
+    backends.argmax = pick
+    backends.choice["argmax"] = (pick, f"greedy tokens by {'a Triton kernel' if pick == 'triton' else 'torch'}, "
+                                       f"the faster over {vocab} logits in a CUDA graph")

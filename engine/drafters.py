@@ -12,6 +12,7 @@ import random
 import torch
 import torch.nn.functional as F
 
+from .cycle_triton import argmax
 from .graphs import padded_width
 from .sampling import probabilities, sample
 
@@ -91,7 +92,7 @@ class MTPDrafter:
         for j in range(n):
             logits, h = self.head(h, token.view(1, 1), positions[j : j + 1], self.cache, last_only=True,
                                   upcast=False, rope=(cos[:, j : j + 1], sin[:, j : j + 1]))
-            token = torch.argmax(logits[:, -1], -1, out=into[j : j + 1])
+            token = argmax(logits[:, -1], trunk.backends, out=into[j : j + 1])
         return into
 
     def reset(self) -> None:
@@ -101,17 +102,19 @@ class MTPDrafter:
         self.last = None  # the latest catch-up's (logits, hidden) at the last verified position
         self.ready = None  # (first draft [1], hidden [1, 1, H]) from a refresh inside the verify graph
 
-    def refresh_verified(self, hidden: torch.Tensor, packed: torch.Tensor, pos, rope=None):
+    def refresh_verified(self, hidden: torch.Tensor, packed: torch.Tensor, pos, rope=None, into=None):
         """The refresh, inside a greedy verify graph: the head over every position of the verify pass, hidden
         [1, T, H], whose next tokens are the target's (packed: sampling.accept_greedy's [m, targets, drafts]).
         Row i is correct for i <= m, whatever m turns out to be: the head is causal, the accepted drafts equal
         the targets, and its KV past the accepted rows is dropped at commit (refreshed). Returns the next cycle's
-        first draft [1] and the head's hidden [1, 1, H] at row m, selected on the device. rope: the verify
-        pass's (cos, sin): the same positions."""
+        first draft [1] and the head's hidden [1, 1, H] at row m, selected on the device, written into
+        `into` = (first, hidden) where given (a cycle graph's buffers: two copies fewer). rope: the verify pass's
+        (cos, sin): the same positions."""
         T = hidden.shape[1]
+        first, h = (None, None) if into is None else into
         logits, h = self.head(hidden, packed[1 : T + 1].unsqueeze(0), pos, self.cache, row=packed[:1], rope=rope,
-                              upcast=False)
-        return logits[:, -1].argmax(-1), h
+                              upcast=False, into=h)
+        return argmax(logits[:, -1], self.head.trunk.backends, out=first), h
 
     def refreshed(self, n: int, first: torch.Tensor, h: torch.Tensor) -> None:
         """Commit a refresh_verified: its first n positions are verified. first and h are the graph's static

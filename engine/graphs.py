@@ -362,8 +362,10 @@ class GraphRunner:
         stash.width = T  # the Python side effect of the replayed forward
         return out
 
-    def verified(self, tokens: torch.Tensor, pos, caches, drafter=None, split=None) -> tuple:
-        """verify's step, to be captured: (hidden, logits, packed[, first draft, head hidden])."""
+    def verified(self, tokens: torch.Tensor, pos, caches, drafter=None, split=None, ahead=None) -> tuple:
+        """verify's step, to be captured: (hidden, logits, packed[, first draft, head hidden]); with `ahead` (a
+        cycle graph's Ahead), the acceptance's m and targets, the first draft and the head's hidden are also
+        written into its prev, first and h by the launches that compute them."""
         from .sampling import accept_greedy
 
         trunk, T = self.trunk, tokens.shape[1]
@@ -373,16 +375,19 @@ class GraphRunner:
         # (with the head's refresh the pass is greedy: only the logits' argmax is read, the same in 16 bits)
         logits = trunk.logits(hidden[0], upcast=drafter is None)
         if trunk.backends.cycle == "triton":
-            from .cycle_triton import accept
+            from .cycle_triton import accept, argmax
 
-            packed = accept(logits.argmax(-1), tokens)
+            packed = accept(argmax(logits, trunk.backends), tokens, None if ahead is None else ahead.prev)
         else:
             packed = accept_greedy(logits, tokens)
+            if ahead is not None:
+                ahead.prev[: 1 + T].copy_(packed[: 1 + T])
         if drafter is None:
             return hidden, logits, packed
         if split is not None:
             split.record()
-        return hidden, logits, packed, *drafter.refresh_verified(hidden, packed, pos, rope)
+        into = None if ahead is None else (ahead.first, ahead.h)
+        return hidden, logits, packed, *drafter.refresh_verified(hidden, packed, pos, rope, into)
 
     def cycle(self, T: int, caches, drafter, start: int | None = None, last: torch.Tensor | None = None,
               stops=()):
@@ -416,11 +421,7 @@ class GraphRunner:
                 drafter.chained(a.h, a.first, pos, T - 2, into=a.row[0, 2:T])
             tokens = a.row[:, :T]
             splits[1].record()
-            hidden, logits, packed, first, h = self.verified(tokens, pos, caches, drafter, splits[2])
-            a.prev[: 1 + T].copy_(packed[: 1 + T])
-            a.first.copy_(first)
-            a.h.copy_(h)
-            return packed
+            return self.verified(tokens, pos, caches, drafter, splits[2], ahead=a)[2]
 
         def ready(turn):  # (captured at a start, both of a width at once: a reply replays the same graphs)
             splits = [self.split(("cycle", T, turn, i)) for i in range(3)]
@@ -484,6 +485,8 @@ class GraphRunner:
         (hidden, logits, argmax), static: read them before the next replay. None if it cannot be captured (the caller
         then verifies and commits, as for a draft). fed: tokens is the last step's argmax (greedy), which that
         step left in the graph's input buffer: nothing is copied in."""
+        from .cycle_triton import argmax
+
         trunk, state = self.trunk, caches.gdn
         key = (caches.kv.serial, state.serial)
 
@@ -491,7 +494,7 @@ class GraphRunner:
             hidden = trunk.forward(tokens, pos, caches, verify=False)
             logits = trunk.logits(hidden[0])
             # greedy decoding's token, without a launch after the replay, written where the next step reads it
-            return hidden, logits, torch.argmax(logits, -1, keepdim=True, out=tokens).view(1)
+            return hidden, logits, argmax(logits, trunk.backends, out=tokens).view(1)
 
         def warmup(tokens, pos):
             return put_back((state.conv, state.recurrent), lambda: step(tokens, pos))

@@ -282,6 +282,7 @@ class Backends:
     short_conv: str = "torch"  # GDN's short conv and gates at decode / verify widths: "torch" or "triton" (conv_triton)
     rope: str = "torch"  # the rotary embedding's table and rotation: "torch" or "triton" (rope_triton)
     cycle: str = "torch"  # the cycle graphs' bookkeeping (commit, acceptance): "torch" or "triton" (cycle_triton)
+    argmax: str = "torch"  # greedy tokens: "torch" or "triton" (cycle_triton.argmax, timed at load)
     choice: dict[str, tuple[str, str]] = field(default_factory=dict)  # op -> (backend, reason)
 
 

@@ -504,7 +504,7 @@ class Trunk:
         gdn_triton.install(self.backends, self.layers, self.device, self.dtype)
         rope_triton.install(self.backends, self.rotary, self.config, self.device, self.dtype)
         swiglu_triton.install(self.backends, self.lm.modules(), self.device, self.dtype)
-        cycle_triton.install(self.backends, self.device)
+        cycle_triton.install(self.backends, self.device, self.config.vocab_size, self.dtype)
         choose_moe(self)
         choose_norm(self.backends, self.lm.modules(), self.device, self.dtype)
         choose_fp8(self.backends, self.lm.modules(), self.device, self.dtype)

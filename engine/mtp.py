@@ -117,14 +117,15 @@ class MTPHead(nn.Module):
                        fp8=self.trunk.backends.kv_cache == "fp8")
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int, cache: KVCache, last_only: bool = False,
-                row: torch.Tensor | None = None, rope=None, upcast: bool = True):
+                row: torch.Tensor | None = None, rope=None, upcast: bool = True, into: torch.Tensor | None = None):
         """hidden [1, T, H] at positions pos..pos+T-1, tokens [1, T] = the token after each position.
 
         Returns (logits [1, T, V] float32, post-norm hidden [1, T, H]); with last_only, logits of the last
         position only (priming a long prompt must not materialise T x vocab logits); with row (a device index [1]),
-        the logits and hidden of that position only; rope: the trunk's (cos, sin) of these positions, when it has
-        them; upcast=False: logits in the lm_head's dtype (Trunk.logits), for greedy drafting's argmax. Writes KV
-        at pos..pos+T-1.
+        the logits and hidden of that position only, the hidden written into `into` [1, 1, H] where given (a
+        cycle graph's buffer: no copy after); rope: the trunk's (cos, sin) of these positions, when it has them;
+        upcast=False: logits in the lm_head's dtype (Trunk.logits), for greedy drafting's argmax. Writes KV at
+        pos..pos+T-1.
         """
         trunk = self.trunk
         x = (two_norms(trunk.embed, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, tokens, hidden)
@@ -139,7 +140,7 @@ class MTPHead(nn.Module):
                           cache.layer(0), None)
         out = add_then_norm(self.norm, h, pending)[1]
         if row is not None:
-            out = out.index_select(1, row)
+            out = out.index_select(1, row) if into is None else torch.index_select(out, 1, row, out=into)
         elif last_only:
             out = out[:, -1:]
         return trunk.logits(out, upcast), out

@@ -110,10 +110,27 @@ def test_the_self_check_passes(device):
     assert cycle_triton._self_check(device)
 
 
+def test_argmax_is_torchs_into_its_place_and_torchs_where_not_chosen(device):
+    """The kernel (ties: the first column, in a block and across blocks; float32 and bf16) and the dispatch: into a
+    given place of a row of tokens, torch's form where the backend is torch or the place is not contiguous."""
+    from types import SimpleNamespace
+
+    assert cycle_triton.argmax_is_torchs(device)
+    x = torch.randn(1, 5000, device=device).to(torch.bfloat16)
+    row = torch.zeros(1, 6, dtype=torch.long, device=device)
+    for backend in ("triton", "torch"):
+        row.zero_()
+        cycle_triton.argmax(x, SimpleNamespace(argmax=backend), out=row[0, 2:3])
+        assert row[0, 2] == x.argmax() and not row[0, :2].any() and not row[0, 3:].any()
+    cols = torch.zeros(6, 2, dtype=torch.long, device=device)  # (a column: not contiguous)
+    cycle_triton.argmax(x.expand(6, -1).contiguous(), SimpleNamespace(argmax="triton"), out=cols[:, 1])
+    assert bool((cols[:, 1] == x.argmax()).all()) and not cols[:, 0].any()
+
+
 def test_the_torch_form_stays_without_cuda():
     backends = Backends()
-    cycle_triton.install(backends, torch.device("cpu"))
-    assert backends.cycle == "torch" and backends.choice["cycle"][0] == "torch"
+    cycle_triton.install(backends, torch.device("cpu"), 300)
+    assert backends.cycle == "torch" and backends.choice["cycle"][0] == "torch" and backends.argmax == "torch"
     assert "not CUDA" in backends.choice["cycle"][1] or "triton not installed" in backends.choice["cycle"][1]
 
 
@@ -123,8 +140,11 @@ def test_the_kernels_compile_for_a_gpu():
     from triton_front import compile_for_gpu
 
     compile_for_gpu("engine.cycle_triton", "_accept_kernel", {"targets_ptr": "*i64", "tokens_ptr": "*i64",
-                                                              "out_ptr": "*i64"}, {"T": 5, "BT": 8, "PDL": True},
-                    num_warps=1)
+                                                              "out_ptr": "*i64", "also_ptr": "*i64"},
+                    {"T": 5, "BT": 8, "ALSO": True, "PDL": True}, num_warps=1)
+    for dtype in ("*fp32", "*bf16"):
+        compile_for_gpu("engine.cycle_triton", "_argmax_kernel", {"x_ptr": dtype, "out_ptr": "*i64", "stride": "i64"},
+                        {"BLOCK": cycle_triton.ARGMAX_BLOCK, "PDL": True}, num_warps=8)
     compile_for_gpu("engine.cycle_triton", "_settle_kernel",
                     {"prev_ptr": "*i64", "stops_ptr": "*i64", "pos_ptr": "*i64", "last_ptr": "*i64", "n_ptr": "*i64"},
                     {"W": 5, "BW": 8, "S": STOPS, "PDL": True}, num_warps=1)
