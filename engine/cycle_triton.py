@@ -1,12 +1,13 @@
-"""The cycle graphs' bookkeeping (graphs.GraphRunner.cycle, .verified) in three Triton launches instead of about
+"""The cycle graphs' bookkeeping (graphs.GraphRunner.cycle, .verified) in Triton launches instead of about
 thirty-five torch ops, each a graph node of ~2 us on a small model (the demo's depth-3 cycle held ~300):
 
-- `settle`: from the pending acceptance [m, targets] and the stop ids, the count n of tokens to keep (cut after an
-  EOS, as speculative.finish cuts), the committed position moved by n and the last committed token updated
-  (graphs.settle's torch form: arange, comparisons, any, argmax, where, index_select, copies);
-- `first_rows_`: the verify stash's rows from n on made no-ops in place (gdn.first_rows' g = beta = k = v = 0)
-  and each GDN layer's conv window moved to the one ending at token n (gdn.window_at), for all layers at once;
-  the recurrence over the stash is then FLA's one launch, as before (gdn.keep_first);
+- `first_rows_`, with `settling`: from the pending acceptance [m, targets] and the stop ids, the count n of
+  tokens to keep (cut after an EOS, as speculative.finish cuts), the committed position moved by n and the last
+  committed token updated (graphs.settle's torch form: arange, comparisons, any, argmax, where, index_select,
+  copies), and in the same launch (two until stop 70) the verify stash's rows from n on made no-ops in place
+  (gdn.first_rows' g = beta = k = v = 0) and each GDN layer's conv window moved to the one ending at token n
+  (gdn.window_at), for all layers at once; the recurrence over the stash is then FLA's one launch, as before
+  (gdn.keep_first);
 - `accept`: greedy acceptance packed from the target's argmax (sampling.accept_greedy's comparison, cast,
   cumprod, sum and cat);
 - `argmax`: greedy decoding's token, a program a row (torch's reduction took 4.9-5.4 us a call at the demo's
@@ -38,11 +39,9 @@ if triton is not None:
     from .splitk import after_previous
 
     @triton.jit
-    def _settle_kernel(prev_ptr, stops_ptr, pos_ptr, last_ptr, n_ptr, W: tl.constexpr, BW: tl.constexpr,
-                       S: tl.constexpr, PDL: tl.constexpr = False):
-        """n = the first accepted row holding a stop id, plus one, else m + 1 (m = -1: nothing pending, n = 0);
-        pos += n; last = targets[n - 1] where n > 0."""
-        after_previous(PDL)
+    def _settled(prev_ptr, stops_ptr, W: tl.constexpr, BW: tl.constexpr, S: tl.constexpr):
+        """(n, targets, rows): n = the first accepted row holding a stop id, plus one, else m + 1 (m = -1: nothing
+        pending, n = 0)."""
         rows = tl.arange(0, BW)
         m = tl.load(prev_ptr)
         targets = tl.load(prev_ptr + 1 + rows, mask=rows < W, other=-2)
@@ -50,11 +49,18 @@ if triton is not None:
         hit = tl.max((targets[:, None] == stops[None, :]).to(tl.int32), axis=1) > 0
         stop = hit & (rows <= m) & (rows < W)
         first = tl.min(tl.where(stop, rows, BW), axis=0)
-        n = tl.where(first < BW, (first + 1).to(tl.int64), m + 1)
+        return tl.where(first < BW, (first + 1).to(tl.int64), m + 1), targets, rows
+
+    @triton.jit
+    def _settle_into(prev_ptr, stops_ptr, pos_ptr, last_ptr, n_ptr, W: tl.constexpr, BW: tl.constexpr,
+                     S: tl.constexpr):
+        """n (stored, and returned); pos += n; last = targets[n - 1] where n > 0."""
+        n, targets, rows = _settled(prev_ptr, stops_ptr, W, BW, S)
         tl.store(n_ptr, n)
         tl.store(pos_ptr, tl.load(pos_ptr) + n)
         token = tl.sum(tl.where(rows == n - 1, targets, 0), axis=0)
         tl.store(last_ptr, tl.where(n > 0, token, tl.load(last_ptr)))
+        return n
 
     @triton.jit
     def _zero_rows(base, row_stride, R, n, W: tl.constexpr, cols):
@@ -64,15 +70,24 @@ if triton is not None:
 
     @triton.jit
     def _first_rows_kernel(n_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, window_ptr, conv_ptr, sk_l, sk_t, RK, sv_l, sv_t,
-                           RV, sg_l, sg_t, sb_l, sb_t, RG, sw_l, sw_c, sc_l, sc_c, C, W: tl.constexpr,
-                           K1: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                           RV, sg_l, sg_t, sb_l, sb_t, RG, sw_l, sw_c, sc_l, sc_c, C, prev_ptr, stops_ptr, pos_ptr,
+                           last_ptr, W: tl.constexpr, K1: tl.constexpr, BLOCK: tl.constexpr, SETTLE: tl.constexpr,
+                           BW: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr = False):
         """Program (layer, part, column block): part 0-3 zero rows n.. of k, v, g, beta; part 4 copies the conv
-        window's columns n .. n + K1 - 1 into the conv state (nothing where n = 0: the state is kept)."""
+        window's columns n .. n + K1 - 1 into the conv state (nothing where n = 0: the state is kept). SETTLE:
+        every program finds n from the pending acceptance as _settle_kernel does, the first one stores it and
+        moves pos and last (the settle's launch folded into this one); else n is read from n_ptr."""
         after_previous(PDL)
         layer = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-        n = tl.load(n_ptr)
+        if SETTLE:
+            if (tl.program_id(0) == 0) & (part == 0) & (tl.program_id(2) == 0):
+                n = _settle_into(prev_ptr, stops_ptr, pos_ptr, last_ptr, n_ptr, W, BW, S)
+            else:
+                n = _settled(prev_ptr, stops_ptr, W, BW, S)[0]
+        else:
+            n = tl.load(n_ptr)
         if part == 0:
             _zero_rows(k_ptr + layer * sk_l, sk_t, RK, n, W, cols)
         elif part == 1:
@@ -147,18 +162,11 @@ def accept(targets: torch.Tensor, tokens: torch.Tensor, also: torch.Tensor | Non
     return out
 
 
-def settle(prev: torch.Tensor, stops: torch.Tensor, width: int, pos: torch.Tensor, last: torch.Tensor,
-           n: torch.Tensor) -> torch.Tensor:
-    """graphs.settle in one launch: n [] (written, and returned), pos [] and last [1, 1] updated in place from
-    prev [1 + width or more] (m, then the targets) and stops [S] (-1 padded; S a power of two)."""
-    _settle_kernel[(1,)](prev, stops, pos, last, n, W=width, BW=triton.next_power_of_2(width), S=stops.shape[0],
-                         num_warps=1, **pdl(prev))
-    return n
-
-
-def first_rows_(n: torch.Tensor, stash, width: int, conv: torch.Tensor) -> None:
+def first_rows_(n: torch.Tensor, stash, width: int, conv: torch.Tensor, settling=None) -> None:
     """gdn.first_rows over the stash's first `width` rows, in place, and conv [L, C, K1] = gdn.window_at's window,
-    where n > 0, in one launch."""
+    where n > 0, in one launch. settling = (prev, stops, pos, last): settle's too, in the same launch (n written
+    by it: a cycle graph's commit in one launch where it took two)."""
+    prev, stops, pos, last = (n, n, n, n) if settling is None else settling  # (pointers never read without it)
     k, v, g, beta, window = stash.k, stash.v, stash.g, stash.beta, stash.window
     L, C, K1 = conv.shape
     assert conv.stride(-1) == 1 and window.stride(-1) == 1  # (the buffers are allocated contiguous)
@@ -166,8 +174,9 @@ def first_rows_(n: torch.Tensor, stash, width: int, conv: torch.Tensor) -> None:
     grid = (L, 5, triton.cdiv(max(rk, rv, C), BLOCK))
     _first_rows_kernel[grid](n, k, v, g, beta, window, conv, k.stride(0), k.stride(1), rk, v.stride(0), v.stride(1),
                              rv, g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), rg, window.stride(0),
-                             window.stride(1), conv.stride(0), conv.stride(1), C, W=width, K1=K1, BLOCK=BLOCK,
-                             num_warps=4, **pdl(conv))
+                             window.stride(1), conv.stride(0), conv.stride(1), C, prev, stops, pos, last, W=width,
+                             K1=K1, BLOCK=BLOCK, SETTLE=settling is not None, BW=triton.next_power_of_2(width),
+                             S=stops.shape[0] if settling is not None else 1, num_warps=4, **pdl(conv))
 
 
 def why_not(device: torch.device) -> str | None:
@@ -197,17 +206,16 @@ def _self_check(device) -> bool:
             x.last.fill_(3)
             x.prev[: 1 + width] = torch.tensor([m, *targets], device=device)
             x.set_stops(frozenset(stop_ids))
-        want = settle_torch(a, width, None)
-        got = settle(b.prev, b.stops, width, b.pos, b.last, b.n)
-        if not (torch.equal(got, want) and torch.equal(a.pos, b.pos) and torch.equal(a.last, b.last)):
-            return False
+        want = settle_torch(a, width)
         stash = VerifyStash(2, width, dims, torch.bfloat16, device)
         for t in (stash.k, stash.v, stash.g, stash.beta, stash.window):
             t.copy_(torch.randn(t.shape, generator=gen, device=device))
         conv = torch.randn(2, dims["conv"], dims["kernel"] - 1, generator=gen, device=device).to(torch.bfloat16)
         keep = first_rows(want, width, stash.k, stash.v, stash.g, stash.beta)
         conv_want = torch.where(want > 0, window_at(stash.window, want, conv.shape[-1]), conv)
-        first_rows_(got, stash, width, conv)
+        first_rows_(b.n, stash, width, conv, (b.prev, b.stops, b.pos, b.last))
+        if not (torch.equal(b.n, want) and torch.equal(a.pos, b.pos) and torch.equal(a.last, b.last)):
+            return False
         if not all(torch.equal(x, y) for x, y in zip(keep + (conv_want,), (stash.k, stash.v, stash.g, stash.beta,
                                                                           conv))):
             return False

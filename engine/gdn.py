@@ -284,17 +284,18 @@ def keep_rows(state: GDNState, stash: VerifyStash, n: int, backends) -> None:
     state.conv.copy_(stash.window[:, :, n : n + state.conv.shape[-1]])
 
 
-def keep_first(state: GDNState, stash: VerifyStash, n: torch.Tensor, width: int, backends) -> None:
+def keep_first(state: GDNState, stash: VerifyStash, n: torch.Tensor, width: int, backends, settling=None) -> None:
     """keep_rows with n on the device (a tensor [], 0 <= n <= width; 0 keeps the state as it is), for a graph that
     commits without the host (graphs.GraphRunner.cycle): the recurrence replayed over the first `width` stashed
     rows, those from n on made no-ops (g = 0: no decay; beta = k = v = 0: nothing added, exactly, whatever the
     rows held), and the conv window that ends at token n. backends.cycle == "triton": the rows zeroed and the
-    window moved in place by one launch (cycle_triton.first_rows_; the graph's verify rewrites the stash after)."""
+    window moved in place by one launch (cycle_triton.first_rows_; the graph's verify rewrites the stash after),
+    which with `settling` (cycle_triton.first_rows_'s) also settles n (graphs.settle's launch folded into it)."""
     rows = tuple(t[:, :width] for t in (stash.k, stash.v, stash.g, stash.beta))
     if backends.cycle == "triton":
         from .cycle_triton import first_rows_
 
-        first_rows_(n, stash, width, state.conv)
+        first_rows_(n, stash, width, state.conv, settling)
     else:
         rows = first_rows(n, width, *rows)
         state.conv.copy_(torch.where(n > 0, window_at(stash.window, n, state.conv.shape[-1]), state.conv))

@@ -255,15 +255,12 @@ class Ahead:
             self.stop_ids = frozenset(stop_ids)
 
 
-def settle(a: Ahead, width: int, backends) -> torch.Tensor:
+def settle(a: Ahead, width: int) -> torch.Tensor:
     """The count n (a tensor [] on the device) of the pending cycle's tokens to commit: its accepted drafts and
     bonus token, cut after an EOS as speculative.finish cuts; 0 when nothing is pending (a.prev[0] = -1). Moves
     a.pos past them and sets a.last to the last of them. Reads nothing on the host (a cycle graph's prelude).
-    backends.cycle == "triton": one launch (cycle_triton.settle), the same values."""
-    if backends is not None and backends.cycle == "triton":
-        from .cycle_triton import settle as settle_kernel
-
-        return settle_kernel(a.prev, a.stops, width, a.pos, a.last, a.n)
+    With backends.cycle == "triton" the cycle graph settles inside the commit's first launch instead
+    (cycle_triton.first_rows_ with settling), the same values."""
     m, targets = a.prev[0], a.prev[1 : 1 + width]
     rows = torch.arange(width, device=m.device)
     # (no host reads in a capture: comparisons, not isin; index_select, not indexing by a tensor)
@@ -415,7 +412,10 @@ class GraphRunner:
 
         def step(splits):  # (the committed position is a.pos: one for both graphs of a width, every width)
             pos = a.pos
-            keep_first(state, stash, settle(a, width, trunk.backends), width, trunk.backends)
+            if trunk.backends.cycle == "triton":  # (settle's count found and kept in the rows' launch)
+                keep_first(state, stash, a.n, width, trunk.backends, (a.prev, a.stops, a.pos, a.last))
+            else:
+                keep_first(state, stash, settle(a, width), width, trunk.backends)
             splits[0].record()
             if T > 2:  # (into the row after the last token and the first draft: no concatenation)
                 drafter.chained(a.h, a.first, pos, T - 2, into=a.row[0, 2:T])

@@ -21,6 +21,9 @@ def device(triton_device):  # conftest.py: CUDA, or the interpreter on the CPU
     return triton_device
 
 
+DIMS = {"nk": 2, "dk": 8, "nv": 4, "dv": 8, "conv": 48, "kernel": 4}  # (a small stash beside the settle)
+
+
 def pending(device, width: int, m: int, targets: list[int], stop_ids) -> Ahead:
     a = Ahead(8, 16, torch.bfloat16, device)
     a.pos.fill_(100)
@@ -42,8 +45,11 @@ def test_settle_is_the_torch_form(device, width):
         stop_ids = [(), (rng.choice(accepted),), (targets[-1] if m < width - 1 else 998,),
                     tuple(accepted[:2]), tuple(range(60, 60 + STOPS - 1)) + (accepted[-1],)][case]
         want, got = pending(device, width, m, targets, stop_ids), pending(device, width, m, targets, stop_ids)
-        n_want = settle(want, width, None)
-        n_got = cycle_triton.settle(got.prev, got.stops, width, got.pos, got.last, got.n)
+        n_want = settle(want, width)
+        cycle_triton.first_rows_(got.n, VerifyStash(2, width, DIMS, torch.bfloat16, device), width,
+                                 torch.zeros(2, DIMS["conv"], DIMS["kernel"] - 1, dtype=torch.bfloat16, device=device),
+                                 (got.prev, got.stops, got.pos, got.last))
+        n_got = got.n
         assert n_got.dtype == n_want.dtype == torch.long
         assert (n_got.item(), got.pos.item(), got.last.item()) == (n_want.item(), want.pos.item(), want.last.item())
         cuts += 0 < n_want.item() < m + 1
@@ -145,13 +151,13 @@ def test_the_kernels_compile_for_a_gpu():
     for dtype in ("*fp32", "*bf16"):
         compile_for_gpu("engine.cycle_triton", "_argmax_kernel", {"x_ptr": dtype, "out_ptr": "*i64", "stride": "i64"},
                         {"BLOCK": cycle_triton.ARGMAX_BLOCK, "PDL": True}, num_warps=8)
-    compile_for_gpu("engine.cycle_triton", "_settle_kernel",
-                    {"prev_ptr": "*i64", "stops_ptr": "*i64", "pos_ptr": "*i64", "last_ptr": "*i64", "n_ptr": "*i64"},
-                    {"W": 5, "BW": 8, "S": STOPS, "PDL": True}, num_warps=1)
     types = {"n_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
-             "window_ptr": "*bf16", "conv_ptr": "*bf16"}
-    compile_for_gpu("engine.cycle_triton", "_first_rows_kernel", types,
-                    {"W": 8, "K1": 3, "BLOCK": cycle_triton.BLOCK, "PDL": True}, num_warps=4)
+             "window_ptr": "*bf16", "conv_ptr": "*bf16", "prev_ptr": "*i64", "stops_ptr": "*i64", "pos_ptr": "*i64",
+             "last_ptr": "*i64"}
+    for settling in (True, False):  # (the cycle graph's commit with its settle; the rows alone)
+        compile_for_gpu("engine.cycle_triton", "_first_rows_kernel", types,
+                        {"W": 8, "K1": 3, "BLOCK": cycle_triton.BLOCK, "SETTLE": settling, "BW": 8, "S": STOPS,
+                         "PDL": True}, num_warps=4)
 
 
 def test_cycle_graphs_with_the_kernels_decode_exactly(device):
