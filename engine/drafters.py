@@ -81,13 +81,15 @@ class MTPDrafter:
 
         return self.chains.try_run(self.cache.serial, (h, token), pos, step, "MTP draft graph", width=n)
 
-    def chained(self, h: torch.Tensor, token: torch.Tensor, pos, n: int, into: torch.Tensor | None = None):
+    def chained(self, h: torch.Tensor, token: torch.Tensor, pos, n: int, into: torch.Tensor | None = None,
+                rope=None):
         """chain's steps, to be captured (pos on the device): n greedy drafts [n], each argmax written into its
         place in `into` [n] (given: a cycle graph's row of tokens), none concatenated. The steps' positions and
-        rope table are computed once for the chain (per step they cost three launches and one more)."""
+        rope table are computed once for the chain (per step they cost three launches and one more), or given:
+        pos the positions and rope their (cos, sin), of n or more (a cycle graph's, shared with its verify)."""
         trunk = self.head.trunk
         positions = trunk.positions(pos, n)
-        cos, sin = trunk.rope(positions, n)
+        cos, sin = rope or trunk.rope(positions, n)
         into = torch.empty(n, dtype=torch.long, device=token.device) if into is None else into
         for j in range(n):
             logits, h = self.head(h, token.view(1, 1), positions[j : j + 1], self.cache, last_only=True,

@@ -359,15 +359,16 @@ class GraphRunner:
         stash.width = T  # the Python side effect of the replayed forward
         return out
 
-    def verified(self, tokens: torch.Tensor, pos, caches, drafter=None, split=None, ahead=None) -> tuple:
+    def verified(self, tokens: torch.Tensor, pos, caches, drafter=None, split=None, ahead=None, rope=None) -> tuple:
         """verify's step, to be captured: (hidden, logits, packed[, first draft, head hidden]); with `ahead` (a
         cycle graph's Ahead), the acceptance's m and targets, the first draft and the head's hidden are also
-        written into its prev, first and h by the launches that compute them."""
+        written into its prev, first and h by the launches that compute them. rope: the (cos, sin) of these
+        positions, where the caller has them (pos: then the positions [T])."""
         from .sampling import accept_greedy
 
         trunk, T = self.trunk, tokens.shape[1]
         pos = trunk.positions(pos, T)  # (once for the trunk and the head)
-        rope = trunk.rope(pos, T)
+        rope = rope or trunk.rope(pos, T)
         hidden = trunk.forward(tokens, pos, caches, verify=True, rope=rope)
         # (with the head's refresh the pass is greedy: only the logits' argmax is read, the same in 16 bits)
         logits = trunk.logits(hidden[0], upcast=drafter is None)
@@ -411,17 +412,18 @@ class GraphRunner:
         state = caches.gdn
 
         def step(splits):  # (the committed position is a.pos: one for both graphs of a width, every width)
-            pos = a.pos
             if trunk.backends.cycle == "triton":  # (settle's count found and kept in the rows' launch)
                 keep_first(state, stash, a.n, width, trunk.backends, (a.prev, a.stops, a.pos, a.last))
             else:
                 keep_first(state, stash, settle(a, width), width, trunk.backends)
             splits[0].record()
+            pos = trunk.positions(a.pos, T)  # (and the rope table: once for the chain, the verify and the refresh)
+            rope = trunk.rope(pos, T)
             if T > 2:  # (into the row after the last token and the first draft: no concatenation)
-                drafter.chained(a.h, a.first, pos, T - 2, into=a.row[0, 2:T])
+                drafter.chained(a.h, a.first, pos, T - 2, into=a.row[0, 2:T], rope=rope)
             tokens = a.row[:, :T]
             splits[1].record()
-            return self.verified(tokens, pos, caches, drafter, splits[2], ahead=a)[2]
+            return self.verified(tokens, pos, caches, drafter, splits[2], ahead=a, rope=rope)[2]
 
         def ready(turn):  # (captured at a start, both of a width at once: a reply replays the same graphs)
             splits = [self.split(("cycle", T, turn, i)) for i in range(3)]
