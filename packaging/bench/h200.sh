@@ -735,16 +735,16 @@ cycle69)  # stop 69 (under 6 minutes): a cycle graph's tokens in one row (no con
   timeout $((290 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
       --json "$OUT/cycle_demo_cycle69.json" 2>&1 | grep depth
   ;;
-demo70)  # stop 70 (under 6 minutes): stop 69's cycle graphs and stop 70's (their GPU tests, the argmax kernel's and
-  # linear16's), the 16-bit choices on the demo (the row form's wide tiles new), the demo's rows at depths 0, 3 and
-  # auto, the cycle profile, then as time allows every 16-bit kernel form at the demo's shapes at 1 and 4 rows
-  gpu_tests 100 "$OUT/gpu_tests_demo70.log" tests/test_gpu.py::test_cuda_graphs_certified_and_lossless \
+demo70)  # stop 70 (under 5 minutes): stop 69's cycle graphs and stop 70's (their GPU tests, the argmax kernel's and
+  # linear16's), the demo's rows at depths 0, 3 and auto, the 16-bit choices on the demo (the row form's wide tiles
+  # new), the cycle profile, then as time allows every 16-bit kernel form at the demo's shapes at 4 rows
+  gpu_tests 90 "$OUT/gpu_tests_demo70.log" tests/test_gpu.py::test_cuda_graphs_certified_and_lossless \
         tests/test_cycle_triton.py tests/test_host_embedding.py::test_host_table_exact_in_graphs_and_off_the_gpu \
         tests/test_linear16_triton.py
-  timeout 45 python3 -c "from engine import load_engine, linear16_triton as l; e = load_engine('engine/assets/demo', \
-device='cuda'); print(e.trunk.backends.choice.get('argmax'), l._chosen)" 2>&1 | tail -1 | tee "$OUT/choice70.txt"
   BENCH_TIMEOUT=80 bench --model engine/assets/demo --depths 0,3,auto --drafter mtp --max-new-tokens 256 \
       --repeat 3 --no-hf --out "$OUT/bench_demo_demo70.json" | grep -E "auto|mtp|none|rror"
+  timeout 45 python3 -c "from engine import load_engine, linear16_triton as l; e = load_engine('engine/assets/demo', \
+device='cuda'); print(e.trunk.backends.choice.get('argmax'), l._chosen)" 2>&1 | tail -1 | tee "$OUT/choice70.txt"
   timeout 60 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
       --json "$OUT/cycle_demo_demo70.json" 2>&1 | grep depth
   timeout $((340 - SECONDS)) python3 packaging/bench/quant_kernels.py --quant bf16 --shapes demo --rows 4 \
