@@ -161,18 +161,19 @@ def test_the_kernels_compile_for_a_gpu():
 
 
 def test_cycle_graphs_with_the_kernels_decode_exactly(device):
-    """The demo model's cycle graphs (on the CPU, graphs.Rerun's re-runs) with the kernels' commit and acceptance: greedy
-    depth 1 and 3 equal plain decoding, with drafts accepted and rejected and cycle graphs replayed, and cuts
-    after an EOS (a reply that ends mid-cycle)."""
+    """The demo model's cycle graphs (on the CPU, graphs.Rerun's re-runs) with the kernels' commit, acceptance and
+    argmax: greedy depth 1 and 3 equal plain decoding, with drafts accepted and rejected and cycle graphs replayed,
+    and cuts after an EOS (a reply that ends mid-cycle); the plain step's graph with the argmax kernel too."""
     from engine import load_engine
     from test_exactness import decode
     from test_graphs import DEMO
 
     eager = load_engine(DEMO, device=str(device))
     graphs = load_engine(DEMO, device=str(device), cuda_graphs=True)
-    graphs.trunk.backends.cycle = "triton"
+    graphs.trunk.backends.cycle = graphs.trunk.backends.argmax = "triton"
     prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     plain = decode(eager, prompt, None, depth=0, max_new_tokens=40)[0]
+    assert decode(graphs, prompt, None, depth=0, max_new_tokens=40)[0] == plain
     for depth in (1, 3):
         tokens, _, fin = decode(graphs, prompt, None, depth=depth, max_new_tokens=40)
         assert tokens == plain
