@@ -3,10 +3,11 @@ the 27B shape's projections, per call inside CUDA graphs, at decoding's 1 row an
 configuration of each form, its streamed bytes per second, and bf16 cuBLAS on the same shape. This is how a
 new kernel form earns (or loses) its place in CONFIGS; install() then times the survivors per shape at load.
 `--quant bf16`: the FP8 kernels streaming 16-bit weights (no scale) against cuBLAS at the 16-bit linears of a
-model's decode step (`--shapes 80b`: the 80B-A3B's; GDN's b + a and the 80B's router stay bf16 in FP8 releases, as does the lm_head), with a
-few narrow-tile configurations for the tiny ones.
+model's decode step (`--shapes 80b`: the 80B-A3B's; `--shapes demo`: the demo model's, where a call is mostly its
+latency; GDN's b + a and the 80B's router stay bf16 in FP8 releases, as does the lm_head), with a few narrow-tile
+configurations for the tiny ones and the row form's wide tiles (linear16_triton.WIDE_ROWS).
 
-    python3 packaging/bench/quant_kernels.py [--quant int4,fp8,bf16] [--shapes 27b|80b] [--rows 1,4] [--json OUT]
+    python3 packaging/bench/quant_kernels.py [--quant int4,fp8,bf16] [--shapes 27b|80b|demo] [--rows 1,4] [--json OUT]
 """
 from __future__ import annotations
 
