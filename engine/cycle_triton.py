@@ -144,6 +144,12 @@ def argmax(x: torch.Tensor, backends, out: torch.Tensor | None = None) -> torch.
     if (backends is None or backends.argmax != "triton" or x.stride(-1) != 1
             or (out is not None and not out.is_contiguous())):
         return torch.argmax(x, -1) if out is None else torch.argmax(x, -1, out=out.view(x.shape[:-1]))
+    return _argmax_rows(x, out)
+
+
+def _argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's launch: argmax over the last dim of x (rows of unit stride) into out (contiguous) or a new
+    tensor."""
     V = x.shape[-1]
     rows = x.reshape(-1, V)
     out = torch.empty(x.shape[:-1], dtype=torch.long, device=x.device) if out is None else out
@@ -233,9 +239,6 @@ def _self_check(device) -> bool:
 def argmax_is_torchs(device) -> bool:
     """The argmax kernel against torch.argmax: float32 and bf16 rows, ties (the first column wins) inside a block
     and across two of them."""
-    from types import SimpleNamespace
-
-    on = SimpleNamespace(argmax="triton")
     gen = torch.Generator(device=device).manual_seed(1)
     for V in (300, ARGMAX_BLOCK + 300):
         for dtype in (torch.float32, torch.bfloat16):
@@ -243,7 +246,7 @@ def argmax_is_torchs(device) -> bool:
             x[1, 250] = x[1, 20] = x[1].max() + 1  # a tie in one block
             x[2, V - 3] = x[2, 7] = x[2].max() + 1  # across blocks where V is past one
             out = torch.full((5,), -1, dtype=torch.long, device=device)
-            if not (torch.equal(argmax(x, on), x.argmax(-1)) and torch.equal(argmax(x, on, out), x.argmax(-1))):
+            if not (torch.equal(_argmax_rows(x), x.argmax(-1)) and torch.equal(_argmax_rows(x, out), x.argmax(-1))):
                 return False
     return True
 
@@ -252,8 +255,6 @@ def install(backends, device: torch.device, vocab: int | None = None, dtype: tor
     """backends.cycle = "triton" where the kernels may run and equal the torch forms at load (error 0; anything
     else is inf); the reason in backends.choice["cycle"] either way. Then backends.argmax = "triton" where the
     argmax kernel, timed in a CUDA graph over a row of `vocab` logits in dtype, beats torch's."""
-    from types import SimpleNamespace
-
     from .splitk import fastest
 
     why, _ = self_checked(why_not(torch.device(device)), "cycle", "MTPCHAT_CYCLE_KERNELS",
@@ -267,13 +268,14 @@ def install(backends, device: torch.device, vocab: int | None = None, dtype: tor
         return
     if vocab is None:
         return
+    pick, why = "torch", "the kernel's self-check failed"
     try:  # (its own verdict: a failure here leaves the bookkeeping's kernels on)
-        checked = argmax_is_torchs(device)
-        x = torch.randn(1, vocab, device=device).to(dtype)
-        pick = fastest(["torch", "triton"], lambda c: argmax(x, SimpleNamespace(argmax=c))) if checked else "torch"
-        why = "the faster over {vocab} logits in a CUDA graph" if checked else "the kernel's self-check failed"
+        if argmax_is_torchs(device):
+            x = torch.randn(1, vocab, device=device).to(dtype)
+            pick = fastest(["torch", "triton"], lambda c: _argmax_rows(x) if c == "triton" else x.argmax(-1))
+            why = f"the faster over {vocab} logits in a CUDA graph"
     except Exception as e:
         pick, why = "torch", f"Triton argmax failed: {type(e).__name__}: {str(e)[:120]}"
     backends.argmax = pick
     backends.choice["argmax"] = (pick, f"greedy tokens by {'a Triton kernel' if pick == 'triton' else 'torch'}"
-                                       f" ({why.format(vocab=vocab)})")
+                                       f" ({why})")

@@ -114,9 +114,9 @@ class MTPDrafter:
         (cos, sin): the same positions."""
         T = hidden.shape[1]
         first, h = (None, None) if into is None else into
-        logits, h = self.head(hidden, packed[1 : T + 1].unsqueeze(0), pos, self.cache, row=packed[:1], rope=rope,
-                              upcast=False, into=h)
-        return argmax(logits[:, -1], self.head.trunk.backends, out=first), h
+        logits, hidden_m = self.head(hidden, packed[1 : T + 1].unsqueeze(0), pos, self.cache, row=packed[:1],
+                                     rope=rope, upcast=False, into=h)
+        return argmax(logits[:, -1], self.head.trunk.backends, out=first), hidden_m
 
     def refreshed(self, n: int, first: torch.Tensor, h: torch.Tensor) -> None:
         """Commit a refresh_verified: its first n positions are verified. first and h are the graph's static
