@@ -111,7 +111,7 @@
 #                                         # kernel whole or in slices
 # .whl must hold flash-linear-attention, fla-core, platformdirs and pytest (+ pluggy, iniconfig, packaging):
 # the device's python3 has none of them.
-# Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for the README).
+# Results land in $OUT (copy them to packaging/bench/ and rerun packaging/bench/table.py for docs/benchmarks.md).
 set -uo pipefail
 [ -d /tmp/site/fla ] && [ -d /tmp/site/_pytest ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -1,5 +1,5 @@
-"""Render the README's benchmark tables from the committed `mtpchat bench --out` JSON files:
-`python packaging/bench/table.py` prints Markdown (README.md's "Benchmarks" section is this output)."""
+"""Render the benchmark tables of docs/benchmarks.md from the committed `mtpchat bench --out` JSON files:
+`python packaging/bench/table.py` prints Markdown (docs/benchmarks.md holds this output)."""
 
 from __future__ import annotations
 
