@@ -8,8 +8,9 @@ the device): splits past it exit at once, so the cost follows the filled length,
 
 One program per (kv head, split, block of query rows): rows are (query head in the group, token), as in
 masked_decode_attention, so a kv head's keys are read once for its whole group. Each keeps a running max, sum and
-float32 output over its keys (query row i sees keys 0..positions[i]); a second kernel merges the splits (_merge):
-two launches a layer, where the masked form takes nine and the merge as torch ops took nine more.
+float32 output over its keys (query row i sees keys 0..positions[i]); over a short cache the last program of a
+row block to finish merges its splits, over a long one a second kernel (_merge): one or two launches a layer, where
+the masked form takes nine and the merge as torch ops took nine more.
 Float32 stays on the masked path: it is the exactness reference the tests hold.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .splitk import pdl
+from .splitk import counters, pdl
 
 try:
     import triton
@@ -33,12 +34,16 @@ if triton is not None:
 
     @triton.jit
     def _splits(Q, K, V, KS, VS, POS, M, L, ACC, R, T, SPLIT, S, stride_qh, stride_qt, stride_kh, stride_sh, scale,
-                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr = False,
+                LOCKS, OUT, GATE, stride_gt, stride_gh, H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                D: tl.constexpr, FP8: tl.constexpr = False, MERGE: tl.constexpr = False, GATED: tl.constexpr = False,
                 PDL: tl.constexpr = False):
         """FP8: K and V hold e4m3 codes with float32 scales KS, VS per (kv head, position) (cache.quantize_kv).
         Codes convert to q's dtype exactly; a key's scale multiplies its score column, a value's scale the
         probability that weighs it (the same products, regrouped: no dequantized tile). Q is read through its
-        strides (query head h * R / T + row // T, token row % T): the rotated queries' layout, no copy first."""
+        strides (query head h * R / T + row // T, token row % T): the rotated queries' layout, no copy first.
+        MERGE: the last split program of each (kv head, row block) to arrive (LOCKS counts them, as
+        splitk.store_tile does) merges the block's splits as _merge does and writes OUT (gated where GATED):
+        one launch a call instead of two."""
         after_previous(PDL)
         h, s, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -72,6 +77,46 @@ if triton is not None:
         tl.store(M + at, m, mask=live)
         tl.store(L + at, l, mask=live)
         tl.store(ACC + at[:, None] * D + d[None, :], acc, mask=live[:, None])
+        if MERGE:
+            tl.debug_barrier()  # every thread's partial is written before the count is released
+            tile = h * tl.num_programs(2) + rb
+            if tl.atomic_add(LOCKS + tile, 1, sem="acq_rel") == S - 1:
+                _merge_rows(M, L, ACC, POS, OUT, GATE, stride_gt, stride_gh, H, R, T, SPLIT, S, h, rows, live, d,
+                            BLOCK_R, D, GATED)
+                tl.atomic_xchg(LOCKS + tile, 0)
+
+    @triton.jit
+    def _merge_rows(M, L, ACC, POS, OUT, GATE, stride_gt, stride_gh, H, R, T, SPLIT, S, h, rows, live, d,
+                    BLOCK_R: tl.constexpr, D: tl.constexpr, GATED: tl.constexpr):
+        """_splits' MERGE: the rows of one block merged over the live splits, whose partials the other programs
+        wrote (read from L2: .cg)."""
+        nlive = tl.load(POS + T - 1) // SPLIT + 1
+        top = tl.full([BLOCK_R], NEG, tl.float32)
+        for j in range(0, nlive):
+            top = tl.maximum(top, tl.load(M + (h * S + j) * R + rows, mask=live, other=NEG, cache_modifier=".cg"))
+        den = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        for j in range(0, nlive):
+            at = (h * S + j) * R + rows
+            w = tl.exp(tl.load(M + at, mask=live, other=NEG, cache_modifier=".cg") - top)
+            den += w * tl.load(L + at, mask=live, other=0.0, cache_modifier=".cg")
+            acc += w[:, None] * tl.load(ACC + at[:, None] * D + d[None, :], mask=live[:, None], other=0.0,
+                                        cache_modifier=".cg")
+        t, head = rows % T, h * (R // T) + rows // T
+        _store_gated(acc / tl.where(live, den, 1.0)[:, None], OUT, GATE,
+                     ((t * H + head) * D)[:, None] + d[None, :],
+                     (t * stride_gt + head * stride_gh)[:, None] + d[None, :], live[:, None], GATED)
+
+    @triton.jit
+    def _store_gated(o, OUT, GATE, at_out, at_gate, mask, GATED: tl.constexpr):
+        """o (float32) written at OUT + at_out in OUT's dtype, times sigmoid(gate) where GATED (each rounded to
+        that dtype, as the torch form's sigmoid and product round)."""
+        dt = OUT.dtype.element_ty
+        o = o.to(dt)
+        if GATED:
+            g = tl.load(GATE + at_gate, mask=mask, other=0.0).to(tl.float32)
+            o = ((1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * o.to(tl.float32)).to(dt)
+        tl.store(OUT + at_out, o, mask=mask)
 
     @triton.jit
     def _merge(M, L, ACC, POS, OUT, GATE, stride_gt, stride_gh, H, R, T, SPLIT, S, BLOCK_S: tl.constexpr,
@@ -102,12 +147,8 @@ if triton is not None:
             den += w * tl.load(L + (h * S + s) * R + row, mask=inside, other=0.0)
             part = tl.load(ACC + ((h * S + s[:, None]) * R + row) * D + d[None, :], mask=inside[:, None], other=0.0)
             acc += tl.sum(part * w[:, None], 0)
-        dt = OUT.dtype.element_ty
-        o = (acc / tl.sum(den, 0)).to(dt)
-        if GATED:
-            g = tl.load(GATE + t * stride_gt + head * stride_gh + d).to(tl.float32)
-            o = ((1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * o.to(tl.float32)).to(dt)
-        tl.store(OUT + (t * H + head) * D + d, o)
+        _store_gated(acc / tl.sum(den, 0), OUT, GATE, (t * H + head) * D + d, t * stride_gt + head * stride_gh + d,
+                     d < D, GATED)
 
 
 def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -126,6 +167,9 @@ def usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | Non
 SPLITS = 512  # about this many splits over a long cache, per kv head (attn_splits.py: the fastest on the H200)
 STAGES = 3
 MERGE_SPLITS = 32  # splits a merge step reads at once
+# up to this many splits (caches up to 8,192 positions) the last split program to finish merges its row block's
+# splits itself: one launch a call; over longer caches the merge kernel spreads the merge over a program a row
+MERGE_IN_LAST = 32
 
 
 def plan(rows: int, n: int, head_dim: int) -> tuple[int, int, int]:
@@ -158,16 +202,17 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positio
     out = torch.empty(1, T, H, D, device=q.device, dtype=q.dtype)
     if gate is not None and gate.stride(-1) != 1:
         gate = gate.contiguous()
-    fp8 = key_scales is not None
+    fp8, gated = key_scales is not None, gate is not None
+    gating = (gate if gated else out, gate.stride(1) if gated else 0, gate.stride(2) if gated else 0)
+    merge_in_last = splits <= MERGE_IN_LAST
     _splits[(hkv, splits, triton.cdiv(rows, block_r))](
         q, keys, values, key_scales if fp8 else m, value_scales if fp8 else m, positions, m, l, acc, rows, T,
         split, splits, q.stride(1), q.stride(2), keys.stride(1), key_scales.stride(1) if fp8 else 0, scale,
-        BLOCK_R=block_r, BLOCK_N=block_n, D=D, FP8=fp8, num_warps=4, num_stages=STAGES, **pdl(q))
-    # (splits past the filled length are skipped: theirs would weigh exp(NEG - max) = 0)
-    gated = gate is not None
-    _merge[(hkv * rows,)](m, l, acc, positions, out, gate if gated else out, gate.stride(1) if gated else 0,
-                          gate.stride(2) if gated else 0, H, rows, T, split, splits, BLOCK_S=MERGE_SPLITS, D=D,
-                          GATED=gated, num_warps=1 if D <= 64 else 2, **pdl(q))
+        counters(q.device) if merge_in_last else m, out, *gating, H, BLOCK_R=block_r, BLOCK_N=block_n, D=D,
+        FP8=fp8, MERGE=merge_in_last, GATED=gated, num_warps=4, num_stages=STAGES, **pdl(q))
+    if not merge_in_last:  # (splits past the filled length are skipped: theirs would weigh exp(NEG - max) = 0)
+        _merge[(hkv * rows,)](m, l, acc, positions, out, *gating, H, rows, T, split, splits, BLOCK_S=MERGE_SPLITS,
+                              D=D, GATED=gated, num_warps=1 if D <= 64 else 2, **pdl(q))
     return out
 
 

@@ -107,12 +107,18 @@ def output(M: int, N: int, slices: int, tiles: int, like: torch.Tensor) -> tuple
         raise ValueError(f"{tiles} output tiles: split-K has counters for {TILES}")
     out = torch.empty(M, N, device=like.device, dtype=like.dtype)
     part = out if slices == 1 else torch.empty(slices, M, N, device=like.device, dtype=torch.float32)
-    locks = _locks.get(like.device)
+    return out, part, counters(like.device)
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The device's TILES arrival counters (int32 zeros, each set back to 0 by the launch that used it), for
+    kernels whose last program to arrive finishes the work (store_tile, the decode attention's merge)."""
+    locks = _locks.get(device)
     if locks is None:
-        if like.is_cuda and torch.cuda.is_current_stream_capturing():
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("split-K tile counters first needed inside a CUDA-graph capture")
-        locks = _locks[like.device] = torch.zeros(TILES, device=like.device, dtype=torch.int32)
-    return out, part, locks
+        locks = _locks[device] = torch.zeros(TILES, device=device, dtype=torch.int32)
+    return locks
 
 
 def graph_ms(fn: Callable, reps: int = 32) -> float:

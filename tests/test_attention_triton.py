@@ -15,6 +15,7 @@ from engine.model import masked_decode_attention
     (4, 4, 64, 3, 256, 253),  # the last positions of the capacity
     (24, 4, 256, 4, 4096, 3000),  # the 27B shape's heads
     (8, 2, 64, 2, 65536, 40000),  # more live splits than the merge reads at once (40 of 256)
+    (6, 2, 64, 4, 8192, 7000),  # the most splits merged by the last split program to finish (28 live of 32)
 ])
 def test_split_k_attention_equals_the_masked_form(triton_device, heads, kv_heads, head_dim, T, capacity, first):
     from engine import attention_triton
@@ -74,17 +75,19 @@ def test_split_k_attention_over_an_fp8_cache_equals_the_masked_form_over_its_val
 @pytest.mark.parametrize("fp8", [False, True])
 def test_the_kernel_compiles_for_a_gpu(fp8):
     """Triton's interpreter never type-checks or lowers a kernel as the compiler does (tests/triton_front.py):
-    the split-K decode attention compiles for sm_90 over a 16-bit cache and over an fp8 one, without a GPU."""
+    the split-K decode attention compiles for sm_90 over a 16-bit cache and over an fp8 one, its splits merged by
+    their last program (gated or not) or by the merge kernel, without a GPU."""
     pytest.importorskip("triton")
     from engine import attention_triton
     from triton_front import compile_for_gpu
 
     cache = "*fp8e4nv" if fp8 else "*bf16"
     types = {"Q": "*bf16", "K": cache, "V": cache, "KS": "*fp32", "VS": "*fp32", "POS": "*i64", "M": "*fp32",
-             "L": "*fp32", "ACC": "*fp32", "scale": "fp32"}
-    compile_for_gpu("engine.attention_triton", "_splits", types,
-                    {"BLOCK_R": 32, "BLOCK_N": 64, "D": 256, "FP8": fp8, "PDL": True}, num_warps=4,
-                    num_stages=attention_triton.STAGES)
+             "L": "*fp32", "ACC": "*fp32", "scale": "fp32", "LOCKS": "*i32", "OUT": "*bf16", "GATE": "*bf16"}
+    for merge, gated in ((False, False), (True, False), (True, True)):  # (the merge in the last split program)
+        compile_for_gpu("engine.attention_triton", "_splits", types,
+                        {"BLOCK_R": 32, "BLOCK_N": 64, "D": 256, "FP8": fp8, "MERGE": merge, "GATED": gated,
+                         "PDL": True}, num_warps=4, num_stages=attention_triton.STAGES)
     if not fp8:  # (the merge reads float32 partials whatever the cache holds)
         merge = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "POS": "*i64", "OUT": "*bf16", "GATE": "*bf16"}
         for gated in (False, True):

@@ -97,8 +97,8 @@
 #                                         # without FALL_DOUBT (A) against with it (B, the default)
 #   bash packaging/bench/h200.sh demo69    # the same shorter (under 5 minutes on a warm machine), then reply_overhead.py
 #   bash packaging/bench/h200.sh cycle69   # stop 69: fewer launches in a cycle graph: GPU tests, the demo's rows, the profile
-#   bash packaging/bench/h200.sh demo70    # stop 70: cycle69's tests, the 16-bit forms at the demo's shapes (wide rows), rows,
-#                                         # the cycle profile
+#   bash packaging/bench/h200.sh demo71    # stops 69-71: the cycle graphs' and new kernels' GPU tests, the demo's rows, its
+#                                         # kernel choices and cycle profile, the 16-bit forms at its shapes (wide rows)
 #   bash packaging/bench/h200.sh stop66    # stop 66: auto_overhead.py (plain picks held); then on an H200 fp8x62's records,
 #                                         # elsewhere the demo's rows at depths 0-3 and auto
 #   bash packaging/bench/h200.sh stop66b   # the same's first two parts alone (under 5 minutes)
@@ -735,21 +735,23 @@ cycle69)  # stop 69 (under 6 minutes): a cycle graph's tokens in one row (no con
   timeout $((290 - SECONDS)) python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
       --json "$OUT/cycle_demo_cycle69.json" 2>&1 | grep depth
   ;;
-demo70)  # stop 70 (under 5 minutes): stop 69's cycle graphs and stop 70's (their GPU tests, the argmax kernel's and
-  # linear16's), the demo's rows at depths 0, 3 and auto, the 16-bit choices on the demo (the row form's wide tiles
-  # new), the cycle profile, then as time allows every 16-bit kernel form at the demo's shapes at 4 rows
-  gpu_tests 90 "$OUT/gpu_tests_demo70.log" tests/test_gpu.py::test_cuda_graphs_certified_and_lossless \
+demo71)  # stops 69-71 (under 5 minutes): the cycle graphs (stops 69, 70) and the kernels since (the argmax, the wide
+  # row tiles, the decode attention merged in its last split program) through their GPU tests, the demo's rows at
+  # depths 0, 3 and auto, its kernel choices, the cycle profile, then as time allows every 16-bit kernel form at the
+  # demo's shapes at 4 rows
+  gpu_tests 100 "$OUT/gpu_tests_demo71.log" tests/test_gpu.py::test_cuda_graphs_certified_and_lossless \
         tests/test_cycle_triton.py tests/test_host_embedding.py::test_host_table_exact_in_graphs_and_off_the_gpu \
-        tests/test_linear16_triton.py
+        tests/test_linear16_triton.py tests/test_attention_triton.py
   BENCH_TIMEOUT=80 bench --model engine/assets/demo --depths 0,3,auto --drafter mtp --max-new-tokens 256 \
-      --repeat 3 --no-hf --out "$OUT/bench_demo_demo70.json" | grep -E "auto|mtp|none|rror"
+      --repeat 3 --no-hf --out "$OUT/bench_demo_demo71.json" | grep -E "auto|mtp|none|rror"
   timeout 45 python3 -c "from engine import load_engine, linear16_triton as l; e = load_engine('engine/assets/demo', \
-device='cuda'); print(e.trunk.backends.choice.get('argmax'), l._chosen)" 2>&1 | tail -1 | tee "$OUT/choice70.txt"
+device='cuda'); c = e.trunk.backends.choice; print(c.get('argmax'), c.get('decode_attention'), l._chosen)" 2>&1 \
+      | tail -1 | tee "$OUT/choice71.txt"
   timeout 60 python3 packaging/bench/profile_cycle.py --model engine/assets/demo --depths 0,3 \
-      --json "$OUT/cycle_demo_demo70.json" 2>&1 | grep depth
+      --json "$OUT/cycle_demo_demo71.json" 2>&1 | grep depth
   timeout $((340 - SECONDS)) python3 packaging/bench/quant_kernels.py --quant bf16 --shapes demo --rows 4 \
-      --json "$OUT/quant_kernels_bf16_demo70.json" > "$OUT/quant_kernels_bf16_demo70.txt" 2>&1
-  grep "rows [14]:" "$OUT/quant_kernels_bf16_demo70.txt"
+      --json "$OUT/quant_kernels_bf16_demo71.json" > "$OUT/quant_kernels_bf16_demo71.txt" 2>&1
+  grep "rows [14]:" "$OUT/quant_kernels_bf16_demo71.txt"
   ;;
 records68)  # stop 68 (needs an H200, under 10 minutes): the records alone, first in the call (#23's whole 80B-A3B in
   # FP8, then #28's 27B shape in bf16, both --compile, plain and depth 3 at acceptance 1.0)

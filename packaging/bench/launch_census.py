@@ -13,7 +13,7 @@ most per cycle follow each count.
 
 `graphs`: the passes a GPU runs as CUDA graphs (graphs.Rerun re-runs them here: plain decoding's in-place step,
 the cycle graphs), with the kernels a GPU picks at load where the CPU would keep a torch form: the split-K
-attention (its two launches) and the cycle graphs' bookkeeping (cycle_triton). Only with `on`.
+attention (one launch, or two over a long cache) and the cycle graphs' bookkeeping (cycle_triton). Only with `on`.
 """
 
 import os
@@ -38,7 +38,16 @@ NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "transpose", "t", "unsqu
              "sym_size", "sym_stride", "diagonal", "narrow", "chunk", "flatten", "view_as"}
 
 
-CUSTOM = {"decode_attention": 2}  # the engine's custom ops that launch Triton kernels: how many (split-K, merge)
+def attention_launches(q, keys, *args) -> int:
+    """The split-K attention's launches: its splits merged by their last program (short caches), else by a
+    second kernel."""
+    from engine import attention_triton
+
+    _, _, split = attention_triton.plan(q.shape[1] // keys.shape[1] * q.shape[2], keys.shape[2], q.shape[3])
+    return 1 if -(-keys.shape[2] // split) <= attention_triton.MERGE_IN_LAST else 2
+
+
+CUSTOM = {"decode_attention": attention_launches}  # the engine's custom ops that launch Triton kernels
 
 
 class Census(TorchDispatchMode):
@@ -49,8 +58,9 @@ class Census(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if not self.inside and name not in NO_KERNEL:
-            self.launches += CUSTOM.get(name, 1)
-            self.ops[name] += CUSTOM.get(name, 1)
+            n = CUSTOM[name](*args) if name in CUSTOM else 1
+            self.launches += n
+            self.ops[name] += n
         if name not in CUSTOM:
             return func(*args, **(kwargs or {}))
         self.inside += 1
