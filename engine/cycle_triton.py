@@ -9,7 +9,7 @@ thirty-five torch ops, each a graph node of ~2 us on a small model (the demo's d
   (gdn.window_at), for all layers at once; the recurrence over the stash is then FLA's one launch, as before
   (gdn.keep_first);
 - `accept`: greedy acceptance packed from the target's argmax (sampling.accept_greedy's comparison, cast,
-  cumprod, sum and cat);
+  cumprod, sum and cat), in the argmax's launch where the argmax kernel is chosen (its last row program packs);
 - `argmax`: greedy decoding's token, a program a row (torch's reduction took 4.9-5.4 us a call at the demo's
   8,192-token vocabulary on the H100, cycle_demo_gdn68_h100.json: about four calls a depth-3 cycle, one a plain
   step); chosen where it is timed faster than torch's at load, for the model's vocabulary (a long one loops).
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import self_checked
-from .splitk import pdl
+from .splitk import counters, pdl
 
 try:
     import triton
@@ -104,38 +104,59 @@ if triton is not None:
 
 
     @triton.jit
-    def _accept_kernel(targets_ptr, tokens_ptr, out_ptr, also_ptr, T: tl.constexpr, BT: tl.constexpr,
-                       ALSO: tl.constexpr, PDL: tl.constexpr = False):
+    def _accept_kernel(targets_ptr, tokens_ptr, out_ptr, also_ptr, x_ptr, lock_ptr, V, stride, T: tl.constexpr,
+                       BT: tl.constexpr, ALSO: tl.constexpr, ARGMAX: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
         """out = [m, targets (T), drafts (T - 1)]: m = the drafts (tokens 1..T-1) equal to the targets before the
-        first that is not; ALSO: [m, targets] into also_ptr too."""
+        first that is not; ALSO: [m, targets] into also_ptr too. ARGMAX: a program per row of the logits x_ptr
+        [T, V] writes its row's target (_row_argmax) and the last to arrive (lock_ptr counts them, as
+        splitk.store_tile's tiles) packs the acceptance: the target's argmax and the acceptance in one launch;
+        else one program over targets_ptr [T]."""
         after_previous(PDL)
-        i = tl.arange(0, BT)
-        targets = tl.load(targets_ptr + i, mask=i < T, other=-1)
-        drafts = tl.load(tokens_ptr + 1 + i, mask=i < T - 1, other=-1)
-        m = tl.min(tl.where((targets != drafts) | (i >= T - 1), i, T - 1), axis=0).to(tl.int64)
-        tl.store(out_ptr, m)
-        tl.store(out_ptr + 1 + i, targets, mask=i < T)
-        tl.store(out_ptr + 1 + T + i, drafts, mask=i < T - 1)
-        if ALSO:
-            tl.store(also_ptr, m)
-            tl.store(also_ptr + 1 + i, targets, mask=i < T)
-
+        if ARGMAX:
+            row = tl.program_id(0)
+            tl.store(out_ptr + 1 + row, _row_argmax(x_ptr + row.to(tl.int64) * stride, V, BLOCK).to(tl.int64))
+            tl.debug_barrier()  # the row's target is written before the count is released
+            last = tl.atomic_add(lock_ptr, 1, sem="acq_rel") == T - 1
+        else:
+            last = tl.program_id(0) == 0
+        if last:
+            i = tl.arange(0, BT)
+            if ARGMAX:  # (from L2, where the other programs' targets are)
+                targets = tl.load(out_ptr + 1 + i, mask=i < T, other=-1, cache_modifier=".cg")
+            else:
+                targets = tl.load(targets_ptr + i, mask=i < T, other=-1)
+            drafts = tl.load(tokens_ptr + 1 + i, mask=i < T - 1, other=-1)
+            m = tl.min(tl.where((targets != drafts) | (i >= T - 1), i, T - 1), axis=0).to(tl.int64)
+            tl.store(out_ptr, m)
+            tl.store(out_ptr + 1 + i, targets, mask=i < T)
+            tl.store(out_ptr + 1 + T + i, drafts, mask=i < T - 1)
+            if ALSO:
+                tl.store(also_ptr, m)
+                tl.store(also_ptr + 1 + i, targets, mask=i < T)
+            if ARGMAX:
+                tl.atomic_xchg(lock_ptr, 0)
 
     @triton.jit
-    def _argmax_kernel(x_ptr, out_ptr, V, stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        """out[row] = the first column of row's largest value (torch.argmax's choice among ties)."""
-        after_previous(PDL)
-        row = tl.program_id(0).to(tl.int64)
+    def _row_argmax(x_ptr, V, BLOCK: tl.constexpr):
+        """The first column of the row's largest value (torch.argmax's choice among ties), int32."""
         cols = tl.arange(0, BLOCK)
         best = tl.full((), float("-inf"), tl.float32)
         at = tl.full((), 0, tl.int32)
         for start in range(0, V, BLOCK):
-            x = tl.load(x_ptr + row * stride + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            x = tl.load(x_ptr + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
             top = tl.max(x, 0)
             where = start + tl.argmax(x, 0, tie_break_left=True).to(tl.int32)
             at = tl.where(top > best, where, at)  # (a later block's tie keeps the earlier column)
             best = tl.maximum(best, top)
-        tl.store(out_ptr + row, at.to(tl.int64))
+        return at
+
+    @triton.jit
+    def _argmax_kernel(x_ptr, out_ptr, V, stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """out[row] = _row_argmax of x's row."""
+        after_previous(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        tl.store(out_ptr + row, _row_argmax(x_ptr + row * stride, V, BLOCK).to(tl.int64))
 
 
 def argmax(x: torch.Tensor, backends, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,14 +178,19 @@ def _argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     return out
 
 
-def accept(targets: torch.Tensor, tokens: torch.Tensor, also: torch.Tensor | None = None) -> torch.Tensor:
-    """sampling.accept_greedy in one launch, from the target's argmax targets [T] (long) and the verified tokens
-    [1, T] (t_n, then the T - 1 drafts; contiguous): [m, targets, drafts] [2T] (long); its first 1 + T written
-    into `also` too where given (a cycle graph's Ahead.prev: no copy after)."""
-    T = targets.shape[0]
-    out = torch.empty(2 * T, dtype=torch.long, device=targets.device)
-    _accept_kernel[(1,)](targets, tokens, out, out if also is None else also, T=T, BT=triton.next_power_of_2(T),
-                         ALSO=also is not None, num_warps=1, **pdl(out))
+def accept(logits: torch.Tensor, tokens: torch.Tensor, backends, also: torch.Tensor | None = None) -> torch.Tensor:
+    """sampling.accept_greedy from the target's logits [T, V] and the verified tokens [1, T] (t_n, then the T - 1
+    drafts; contiguous): [m, targets, drafts] [2T] (long), its first 1 + T written into `also` too where given (a
+    cycle graph's Ahead.prev: no copy after). One launch where backends.argmax is "triton" (the rows' argmax in
+    it), else torch's argmax and the packing's launch."""
+    T = logits.shape[0]
+    out = torch.empty(2 * T, dtype=torch.long, device=logits.device)
+    fused = backends.argmax == "triton" and logits.stride(-1) == 1
+    targets = out if fused else torch.argmax(logits, -1)
+    _accept_kernel[(T if fused else 1,)](targets, tokens, out, out if also is None else also, logits,
+                                         counters(logits.device), logits.shape[-1], logits.stride(0), T=T,
+                                         BT=triton.next_power_of_2(T), ALSO=also is not None, ARGMAX=fused,
+                                         BLOCK=ARGMAX_BLOCK, num_warps=8 if fused else 1, **pdl(out))
     return out
 
 
@@ -198,6 +224,8 @@ def _self_check(device) -> bool:
     """The kernels against the torch forms (graphs.settle, gdn.keep_first's first_rows and window_at,
     sampling.accept_greedy), over a small stash of two layers: nothing pending, every draft accepted, a cut after
     an EOS, a rejection; acceptance of none, some and all drafts."""
+    from types import SimpleNamespace
+
     from .gdn import VerifyStash, first_rows, window_at
     from .graphs import Ahead, settle as settle_torch
     from .sampling import accept_greedy
@@ -226,13 +254,15 @@ def _self_check(device) -> bool:
                                                                           conv))):
             return False
     for T, drafts in ((1, []), (2, [4]), (4, [5, 6, 1]), (5, [5, 6, 7, 8])):
-        targets = torch.tensor([5, 6, 7, 8, 9][:T], device=device)
+        logits = torch.nn.functional.one_hot(torch.tensor([5, 6, 7, 8, 9][:T], device=device), 10).float()
         tokens = torch.tensor([[3, *drafts]], device=device)
-        also = torch.full((8,), -7, dtype=torch.long, device=device)
-        want = accept_greedy(torch.nn.functional.one_hot(targets, 10).float(), tokens)
-        if not (torch.equal(accept(targets, tokens, also), want) and torch.equal(also[: 1 + T], want[: 1 + T])
-                and bool((also[1 + T:] == -7).all())):
-            return False
+        want = accept_greedy(logits, tokens)
+        for argmax in ("torch", "triton"):
+            also = torch.full((8,), -7, dtype=torch.long, device=device)
+            got = accept(logits, tokens, SimpleNamespace(argmax=argmax), also)
+            if not (torch.equal(got, want) and torch.equal(also[: 1 + T], want[: 1 + T])
+                    and bool((also[1 + T:] == -7).all())):
+                return False
     return True
 
 

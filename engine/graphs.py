@@ -373,9 +373,9 @@ class GraphRunner:
         # (with the head's refresh the pass is greedy: only the logits' argmax is read, the same in 16 bits)
         logits = trunk.logits(hidden[0], upcast=drafter is None)
         if trunk.backends.cycle == "triton":
-            from .cycle_triton import accept, argmax
+            from .cycle_triton import accept
 
-            packed = accept(argmax(logits, trunk.backends), tokens, None if ahead is None else ahead.prev)
+            packed = accept(logits, tokens, trunk.backends, None if ahead is None else ahead.prev)
         else:
             packed = accept_greedy(logits, tokens)
             if ahead is not None:

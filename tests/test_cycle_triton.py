@@ -95,7 +95,10 @@ def test_keep_first_with_the_kernel_is_the_torch_form(device, width, stashed):
 
 @pytest.mark.parametrize("T", [1, 2, 4, 5, 8])
 def test_accept_is_the_torch_form(device, T):
-    """Every count of accepted drafts, 0 to all, and drafts equal to a later target (only the prefix counts)."""
+    """Every count of accepted drafts, 0 to all, and drafts equal to a later target (only the prefix counts), with
+    the rows' argmax in the kernel and torch's."""
+    from types import SimpleNamespace
+
     from engine.sampling import accept_greedy
 
     gen = torch.Generator(device=device).manual_seed(T)
@@ -108,8 +111,9 @@ def test_accept_is_the_torch_form(device, T):
             drafts[m + 1 :] = targets[m + 1 : T - 1]  # (later drafts that match count for nothing)
         tokens = torch.cat([torch.tensor([7], device=device), drafts]).view(1, T)
         want = accept_greedy(logits, tokens)
-        got = cycle_triton.accept(targets, tokens)
-        assert got.dtype == want.dtype == torch.long and torch.equal(got, want) and got[0].item() == min(m, T - 1)
+        for argmax in ("triton", "torch"):  # (the argmax in the packing's launch; torch's, then the packing)
+            got = cycle_triton.accept(logits, tokens, SimpleNamespace(argmax=argmax))
+            assert got.dtype == want.dtype == torch.long and torch.equal(got, want) and got[0].item() == min(m, T - 1)
 
 
 def test_the_self_check_passes(device):
@@ -145,9 +149,12 @@ def test_the_kernels_compile_for_a_gpu():
     pytest.importorskip("triton")
     from triton_front import compile_for_gpu
 
-    compile_for_gpu("engine.cycle_triton", "_accept_kernel", {"targets_ptr": "*i64", "tokens_ptr": "*i64",
-                                                              "out_ptr": "*i64", "also_ptr": "*i64"},
-                    {"T": 5, "BT": 8, "ALSO": True, "PDL": True}, num_warps=1)
+    for fused, logits in ((False, "*fp32"), (True, "*fp32"), (True, "*bf16")):
+        compile_for_gpu("engine.cycle_triton", "_accept_kernel",
+                        {"targets_ptr": "*i64", "tokens_ptr": "*i64", "out_ptr": "*i64", "also_ptr": "*i64",
+                         "x_ptr": logits, "lock_ptr": "*i32", "stride": "i64"},
+                        {"T": 5, "BT": 8, "ALSO": True, "ARGMAX": fused, "BLOCK": cycle_triton.ARGMAX_BLOCK,
+                         "PDL": True}, num_warps=8 if fused else 1)
     for dtype in ("*fp32", "*bf16"):
         compile_for_gpu("engine.cycle_triton", "_argmax_kernel", {"x_ptr": dtype, "out_ptr": "*i64", "stride": "i64"},
                         {"BLOCK": cycle_triton.ARGMAX_BLOCK, "PDL": True}, num_warps=8)
