@@ -97,6 +97,7 @@
 #                                         # without FALL_DOUBT (A) against with it (B, the default)
 #   bash packaging/bench/h200.sh demo69    # the same shorter (under 5 minutes on a warm machine), then reply_overhead.py
 #   bash packaging/bench/h200.sh cycle69   # stop 69: fewer launches in a cycle graph: GPU tests, the demo's rows, the profile
+#   bash packaging/bench/h200.sh stop71    # on an H200 the new kernels' GPU tests and the records (records67), else demo71
 #   bash packaging/bench/h200.sh demo71    # stops 69-71: the cycle graphs' and new kernels' GPU tests, the demo's rows, its
 #                                         # kernel choices and cycle profile, the 16-bit forms at its shapes (wide rows)
 #   bash packaging/bench/h200.sh stop66    # stop 66: auto_overhead.py (plain picks held); then on an H200 fp8x62's records,
@@ -752,6 +753,16 @@ device='cuda'); c = e.trunk.backends.choice; print(c.get('argmax'), c.get('decod
   timeout $((340 - SECONDS)) python3 packaging/bench/quant_kernels.py --quant bf16 --shapes demo --rows 4 \
       --json "$OUT/quant_kernels_bf16_demo71.json" > "$OUT/quant_kernels_bf16_demo71.txt" 2>&1
   grep "rows [14]:" "$OUT/quant_kernels_bf16_demo71.txt"
+  ;;
+stop71)  # stop 71 (under 10 minutes): on an H200, the new kernels' GPU tests (the decode attention merged in its
+  # last split program, the argmax in the acceptance's launch), then the records (#23's whole 80B-A3B in FP8, #28's
+  # 27B shape in bf16, both --compile); on any other GPU demo71
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    gpu_tests 70 "$OUT/gpu_tests_stop71.log" tests/test_attention_triton.py tests/test_cycle_triton.py
+    records67 470
+  else
+    bash "$0" demo71
+  fi
   ;;
 records68)  # stop 68 (needs an H200, under 10 minutes): the records alone, first in the call (#23's whole 80B-A3B in
   # FP8, then #28's 27B shape in bf16, both --compile, plain and depth 3 at acceptance 1.0)
