@@ -84,17 +84,21 @@ class MTPDrafter:
     def chained(self, h: torch.Tensor, token: torch.Tensor, pos, n: int, into: torch.Tensor | None = None,
                 rope=None):
         """chain's steps, to be captured (pos on the device): n greedy drafts [n], each argmax written into its
-        place in `into` [n] (given: a cycle graph's row of tokens), none concatenated. The steps' positions and
+        place in `into` [n] (given: a cycle graph's row of tokens; by the next step's input launch where it can),
+        none concatenated. The steps' positions and
         rope table are computed once for the chain (per step they cost three launches and one more), or given:
         pos the positions and rope their (cos, sin), of n or more (a cycle graph's, shared with its verify)."""
         trunk = self.head.trunk
         positions = trunk.positions(pos, n)
         cos, sin = rope or trunk.rope(positions, n)
         into = torch.empty(n, dtype=torch.long, device=token.device) if into is None else into
-        for j in range(n):
-            logits, h = self.head(h, token.view(1, 1), positions[j : j + 1], self.cache, last_only=True,
-                                  upcast=False, rope=(cos[:, j : j + 1], sin[:, j : j + 1]))
-            token = argmax(logits[:, -1], trunk.backends, out=into[j : j + 1])
+        logits = None
+        for j in range(n):  # (step j + 1's input launch writes step j's argmax: MTPHead.forward's argmax_of)
+            logits, h = self.head(h, token.view(1, 1) if j == 0 else into[j - 1 : j].view(1, 1),
+                                  positions[j : j + 1], self.cache, last_only=True, upcast=False,
+                                  rope=(cos[:, j : j + 1], sin[:, j : j + 1]),
+                                  argmax_of=None if j == 0 else logits[:, -1])
+        argmax(logits[:, -1], trunk.backends, out=into[n - 1 : n])
         return into
 
     def reset(self) -> None:

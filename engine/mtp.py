@@ -22,6 +22,7 @@ from .modules import quantize_like_releases
 from .fp8_triton import install as install_fp8
 from .cpu_linear import install as install_cpu_linear
 from .linear16_triton import install as install_linear16
+from .cycle_triton import argmax
 from .norm_triton import add_then_norm, install as install_norms, two_norms, two_norms_check
 
 
@@ -117,20 +118,25 @@ class MTPHead(nn.Module):
                        fp8=self.trunk.backends.kv_cache == "fp8")
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, pos: int, cache: KVCache, last_only: bool = False,
-                row: torch.Tensor | None = None, rope=None, upcast: bool = True, into: torch.Tensor | None = None):
+                row: torch.Tensor | None = None, rope=None, upcast: bool = True, into: torch.Tensor | None = None,
+                argmax_of: torch.Tensor | None = None):
         """hidden [1, T, H] at positions pos..pos+T-1, tokens [1, T] = the token after each position.
 
         Returns (logits [1, T, V] float32, post-norm hidden [1, T, H]); with last_only, logits of the last
         position only (priming a long prompt must not materialise T x vocab logits); with row (a device index [1]),
         the logits and hidden of that position only, the hidden written into `into` [1, 1, H] where given (a
         cycle graph's buffer: no copy after); rope: the trunk's (cos, sin) of these positions, when it has them;
-        upcast=False: logits in the lm_head's dtype (Trunk.logits), for greedy drafting's argmax. Writes KV at
-        pos..pos+T-1.
+        upcast=False: logits in the lm_head's dtype (Trunk.logits), for greedy drafting's argmax; argmax_of: logits
+        [T, V] whose argmax the tokens are, written into tokens first (a greedy chain's previous step: in the input's
+        launch where the argmax kernel is chosen). Writes KV at pos..pos+T-1.
         """
         trunk = self.trunk
-        x = (two_norms(trunk.embed, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, tokens, hidden)
-             if self.one_launch_input else None)
+        fold = argmax_of is not None and trunk.backends.argmax == "triton"
+        x = (two_norms(trunk.embed, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, tokens, hidden,
+                       argmax_of if fold else None) if self.one_launch_input and (fold or argmax_of is None) else None)
         if x is None:
+            if argmax_of is not None:
+                argmax(argmax_of, trunk.backends, out=tokens)
             x = torch.cat([self.pre_fc_norm_embedding(trunk.embed(tokens)), self.pre_fc_norm_hidden(hidden)], -1)
         h = self.fc(x)  # embedding first, hidden second
         pos = trunk.positions(pos, h.shape[1])

@@ -23,6 +23,7 @@ from typing import Iterable
 
 import torch
 
+from .cycle_triton import ARGMAX_BLOCK
 from .kernels import relative_error
 from .splitk import pdl
 
@@ -43,6 +44,7 @@ def available() -> bool:
 
 
 if triton is not None:
+    from .cycle_triton import _row_argmax
     from .splitk import after_previous
 
     @triton.jit
@@ -92,16 +94,24 @@ if triton is not None:
         tl.store(out_ptr + row * D + cols, (x * rstd * (shift + w)).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _two_norms_kernel(ids_ptr, table_ptr, h_ptr, we_ptr, wh_ptr, out_ptr, stride_t, stride_h, eps_e, eps_h,
-                          shift, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    def _two_norms_kernel(ids_ptr, table_ptr, h_ptr, we_ptr, wh_ptr, out_ptr, x_ptr, stride_t, stride_h, stride_x, V,
+                          eps_e, eps_h, shift, D: tl.constexpr, BLOCK: tl.constexpr, ARGMAX: tl.constexpr = False,
+                          ABLOCK: tl.constexpr = 1, PDL: tl.constexpr = False):
         """The MTP head's input in one launch: out [rows, 2D] = [norm_e(table[ids[row]]), norm_h(h[row])], program
-        (row, 0) the embedding's half, (row, 1) the hidden's, each as _rms_norm_kernel computes it."""
+        (row, 0) the embedding's half, (row, 1) the hidden's, each as _rms_norm_kernel computes it. ARGMAX: ids[row]
+        is first written as the argmax of the logits' row x_ptr [rows, V] (cycle_triton._row_argmax, ABLOCK
+        columns a step)."""
         after_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < D
         if tl.program_id(1) == 0:
-            src = table_ptr + tl.load(ids_ptr + row).to(tl.int64) * stride_t
+            if ARGMAX:
+                token = _row_argmax(x_ptr + row * stride_x, V, ABLOCK).to(tl.int64)
+                tl.store(ids_ptr + row, token)
+            else:
+                token = tl.load(ids_ptr + row).to(tl.int64)
+            src = table_ptr + token * stride_t
             w_ptr, eps = we_ptr, eps_e
         else:
             src = h_ptr + row * stride_h
@@ -183,22 +193,28 @@ def two_norms_fit(embed, norm_e, norm_h) -> bool:
             and norm_e.norm_shift == norm_h.norm_shift and embed.weight.shape[1] <= MAX_BLOCK)
 
 
-def two_norms(embed, norm_e, norm_h, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+def two_norms(embed, norm_e, norm_h, ids: torch.Tensor, hidden: torch.Tensor,
+              argmax_of: torch.Tensor | None = None) -> torch.Tensor | None:
     """torch.cat([norm_e(embed(ids)), norm_h(hidden)], -1) in one launch (the MTP head's input: a gather, two norms
-    and a cat were four): ids [1, T], hidden [1, T, D] -> [1, T, 2D], for a head two_norms_fit. None where hidden
-    is not laid out as the table (device, dtype, width, unit stride) or torch.compile traces (inductor fuses the
-    torch form)."""
+    and a cat were four): ids [1, T], hidden [1, T, D] -> [1, T, 2D], for a head two_norms_fit. argmax_of: logits
+    [T, V] whose rows' argmax the ids are, written into ids (contiguous) by the same launch first (a greedy draft
+    chain's previous token: its argmax launch folded in). None where hidden is not laid out as the table (device,
+    dtype, width, unit stride), argmax_of's rows are not of unit stride, or torch.compile traces (inductor fuses
+    the torch form): nothing is launched then."""
     table = embed.weight
     D = hidden.shape[-1]
     if (table.device != hidden.device or table.dtype != hidden.dtype or table.shape[1] != D
-            or hidden.stride(-1) != 1 or torch.compiler.is_compiling()):
+            or hidden.stride(-1) != 1 or torch.compiler.is_compiling()
+            or (argmax_of is not None and (argmax_of.stride(-1) != 1 or not ids.is_contiguous()))):
         return None
     T = hidden.shape[1]
     out = torch.empty(1, T, 2 * D, device=hidden.device, dtype=hidden.dtype)
     block = triton.next_power_of_2(D)
-    _two_norms_kernel[(T, 2)](ids.reshape(-1), table, hidden, norm_e.weight, norm_h.weight, out, table.stride(0),
-                              hidden.stride(1), float(_eps(norm_e)), float(_eps(norm_h)), float(norm_e.norm_shift),
-                              D=D, BLOCK=block, num_warps=_num_warps(block), **pdl(hidden))
+    x = hidden if argmax_of is None else argmax_of  # (never read without ARGMAX)
+    _two_norms_kernel[(T, 2)](ids.reshape(-1), table, hidden, norm_e.weight, norm_h.weight, out, x, table.stride(0),
+                              hidden.stride(1), x.stride(0), x.shape[-1], float(_eps(norm_e)), float(_eps(norm_h)),
+                              float(norm_e.norm_shift), D=D, BLOCK=block, ARGMAX=argmax_of is not None,
+                              ABLOCK=ARGMAX_BLOCK, num_warps=_num_warps(block), **pdl(hidden))
     return out
 
 

@@ -303,7 +303,9 @@ def test_the_diagnostics_name_the_gated_norms_kernel(device, installable):  # (i
     ("_rms_norm_kernel", ("x_ptr", "w_ptr", "out_ptr"), {"D": 128, "BLOCK": 128}),
     ("_add_rms_norm_kernel", ("h_ptr", "d_ptr", "w_ptr", "sum_ptr", "out_ptr"), {"D": 5120, "BLOCK": 8192}),
     ("_gated_rms_norm_kernel", ("x_ptr", "g_ptr", "w_ptr", "out_ptr"), {"D": 128, "BLOCK": 128, "ROUND": True}),
-    ("_two_norms_kernel", ("table_ptr", "h_ptr", "we_ptr", "wh_ptr", "out_ptr"), {"D": 5120, "BLOCK": 8192}),
+    ("_two_norms_kernel", ("table_ptr", "h_ptr", "we_ptr", "wh_ptr", "out_ptr", "x_ptr"), {"D": 5120, "BLOCK": 8192}),
+    ("_two_norms_kernel", ("table_ptr", "h_ptr", "we_ptr", "wh_ptr", "out_ptr", "x_ptr"),
+     {"D": 5120, "BLOCK": 8192, "ARGMAX": True, "ABLOCK": 8192}),  # (the ids from the logits' argmax, in the same launch)
 ])
 def test_the_kernels_compile_for_a_gpu(kernel, pointers, constants):
     """Triton's interpreter never type-checks as the compiler does (tests/triton_front.py): each norm kernel
@@ -320,7 +322,7 @@ def test_the_kernels_compile_for_a_gpu(kernel, pointers, constants):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_two_norms_is_the_mtp_heads_gather_norms_and_cat_in_one_launch(device, installable, dtype):
     """The MTP head's input [norm_e(embed(ids)), norm_h(hidden)]: one launch equal to the installed norms' kernels
-    and the cat, bit for bit; it does not fit (two_norms_fit) where a norm does not run the kernel or the embedding
+    and the cat, bit for bit, with the ids given or the argmax of given logits; it does not fit (two_norms_fit) where a norm does not run the kernel or the embedding
     is not a plain table."""
     from engine.norm_triton import two_norms, two_norms_check, two_norms_fit
 
@@ -339,6 +341,13 @@ def test_two_norms_is_the_mtp_heads_gather_norms_and_cat_in_one_launch(device, i
         assert got is not None and got.dtype == dtype and torch.equal(got, want)
         one = two_norms(embed, norm_e, norm_h, ids[:, 1:2], hidden[:, 1:2])  # (a draft step's one row)
         assert torch.equal(one, want[:, 1:2])
+        # the ids as the argmax of logits, written into their place by the same launch (a greedy chain's step)
+        logits = randn(4, 100, dtype=dtype, device=device)
+        logits[2, 70] = logits[2, 10] = logits.max() + 1  # (a tie: the first column, as torch.argmax)
+        slot = torch.full((1, 4), -1, dtype=torch.long, device=device)
+        chosen = two_norms(embed, norm_e, norm_h, slot, hidden, argmax_of=logits)
+        assert torch.equal(slot[0], logits.argmax(-1)) and slot[0, 2] == 10
+        assert torch.equal(chosen, torch.cat([norm_e(embed(slot)), norm_h(hidden)], -1))
         wrapped = torch.nn.Sequential(embed)  # (a host or vocab-parallel embedding: not a plain table)
         assert not two_norms_fit(wrapped, norm_e, norm_h)
         assert two_norms(embed, norm_e, norm_h, ids, hidden.float() if dtype != torch.float32 else hidden.half()) is None

@@ -13,7 +13,8 @@ most per cycle follow each count.
 
 `graphs`: the passes a GPU runs as CUDA graphs (graphs.Rerun re-runs them here: plain decoding's in-place step,
 the cycle graphs), with the kernels a GPU picks at load where the CPU would keep a torch form: the split-K
-attention (one launch, or two over a long cache) and the cycle graphs' bookkeeping (cycle_triton). Only with `on`.
+attention (one launch, or two over a long cache), the cycle graphs' bookkeeping and the argmax kernel (cycle_triton).
+Only with `on`.
 """
 
 import os
@@ -105,12 +106,14 @@ for name in ("table", "rotate"):
 swiglu_triton.swiglu = one_launch(swiglu_triton.swiglu, "swiglu")
 rope_triton.rotate_and_store = one_launch(rope_triton.rotate_and_store, "rope_rotate_and_store")
 mtp.two_norms = one_launch(mtp.two_norms, "two_norms", maybe=True)
+cycle_triton._argmax_rows = one_launch(cycle_triton._argmax_rows, "argmax")
 for name in ("first_rows_", "accept"):  # (the settle runs inside first_rows_ since stop 70)
     setattr(cycle_triton, name, one_launch(getattr(cycle_triton, name), name))
 
 engine = load_engine("engine/assets/demo", device="cpu", dtype="bfloat16", cuda_graphs=GRAPHS)
 if GRAPHS:  # (a GPU's choices at load; the CPU keeps the torch forms)
     engine.trunk.backends.decode_attention, engine.trunk.backends.cycle = "triton", "triton"
+    engine.trunk.backends.argmax = "triton"  # (where it is timed faster than torch's: folded into other launches)
 print("conv1d:", engine.trunk.backends.choice["conv1d"][1])
 print("rmsnorm:", engine.trunk.backends.choice["rmsnorm"][1], "| MTPCHAT_ADD_NORM:", os.environ.get("MTPCHAT_ADD_NORM"))
 print("rope:", engine.trunk.backends.choice["rope"][1], "| swiglu:", engine.trunk.backends.choice["swiglu"][1])
