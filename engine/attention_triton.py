@@ -36,14 +36,15 @@ if triton is not None:
     def _splits(Q, K, V, KS, VS, POS, M, L, ACC, R, T, SPLIT, S, stride_qh, stride_qt, stride_kh, stride_sh, scale,
                 LOCKS, OUT, GATE, stride_gt, stride_gh, H, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                 D: tl.constexpr, FP8: tl.constexpr = False, MERGE: tl.constexpr = False, GATED: tl.constexpr = False,
-                PDL: tl.constexpr = False):
+                DOT: tl.constexpr = None, PDL: tl.constexpr = False):
         """FP8: K and V hold e4m3 codes with float32 scales KS, VS per (kv head, position) (cache.quantize_kv).
         Codes convert to q's dtype exactly; a key's scale multiplies its score column, a value's scale the
         probability that weighs it (the same products, regrouped: no dequantized tile). Q is read through its
         strides (query head h * R / T + row // T, token row % T): the rotated queries' layout, no copy first.
         MERGE: the last split program of each (kv head, row block) to arrive (LOCKS counts them, as
         splitk.store_tile does) merges the block's splits as _merge does and writes OUT (gated where GATED):
-        one launch a call instead of two."""
+        one launch a call instead of two. DOT: the dots' input precision ("ieee" for float32 queries, which tf32,
+        Triton's default, would round to 10 bits: the engine never runs float32 here, its tests do)."""
         after_previous(PDL)
         h, s, rb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -60,7 +61,7 @@ if triton is not None:
             n = n0 + tl.arange(0, BLOCK_N)
             inside = n < end
             k = tl.load(K + h * stride_kh + n[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k.to(q.dtype))) * scale
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT) * scale
             if FP8:
                 scores *= tl.load(KS + h * stride_sh + n, mask=inside, other=0.0)[None, :]
             scores = tl.where((n[None, :] <= pos[:, None]) & inside[None, :], scores, float("-inf"))
@@ -71,7 +72,7 @@ if triton is not None:
             l = l * alpha + tl.sum(p, 1)
             if FP8:
                 p *= tl.load(VS + h * stride_sh + n, mask=inside, other=0.0)[None, :]
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT)
             m = m_new
         at = (h * S + s) * R + rows
         tl.store(M + at, m, mask=live)
@@ -209,7 +210,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positio
         q, keys, values, key_scales if fp8 else m, value_scales if fp8 else m, positions, m, l, acc, rows, T,
         split, splits, q.stride(1), q.stride(2), keys.stride(1), key_scales.stride(1) if fp8 else 0, scale,
         counters(q.device) if merge_in_last else m, out, *gating, H, BLOCK_R=block_r, BLOCK_N=block_n, D=D,
-        FP8=fp8, MERGE=merge_in_last, GATED=gated, num_warps=4, num_stages=STAGES, **pdl(q))
+        FP8=fp8, MERGE=merge_in_last, GATED=gated, DOT="ieee" if q.dtype == torch.float32 else None, num_warps=4,
+        num_stages=STAGES, **pdl(q))
     if not merge_in_last:  # (splits past the filled length are skipped: theirs would weigh exp(NEG - max) = 0)
         _merge[(hkv * rows,)](m, l, acc, positions, out, *gating, H, rows, T, split, splits, BLOCK_S=MERGE_SPLITS,
                               D=D, GATED=gated, num_warps=1 if D <= 64 else 2, **pdl(q))

@@ -88,6 +88,10 @@ def test_the_kernel_compiles_for_a_gpu(fp8):
         compile_for_gpu("engine.attention_triton", "_splits", types,
                         {"BLOCK_R": 32, "BLOCK_N": 64, "D": 256, "FP8": fp8, "MERGE": merge, "GATED": gated,
                          "PDL": True}, num_warps=4, num_stages=attention_triton.STAGES)
+    if not fp8:  # float32 (the tests' engines on CUDA): full-precision dots
+        compile_for_gpu("engine.attention_triton", "_splits", types | {p: "*fp32" for p in ("Q", "K", "V", "OUT", "GATE")},
+                        {"BLOCK_R": 32, "BLOCK_N": 64, "D": 64, "MERGE": True, "GATED": True, "DOT": "ieee",
+                         "PDL": True}, num_warps=4, num_stages=attention_triton.STAGES)
     if not fp8:  # (the merge reads float32 partials whatever the cache holds)
         merge = {"M": "*fp32", "L": "*fp32", "ACC": "*fp32", "POS": "*i64", "OUT": "*bf16", "GATE": "*bf16"}
         for gated in (False, True):
@@ -104,8 +108,9 @@ def test_graph_passes_with_the_kernel_decode_as_eager(triton_device, monkeypatch
     from test_exactness import decode
     from test_graphs import DEMO
 
-    eager = load_engine(DEMO, device=str(triton_device))
-    graphs = load_engine(DEMO, device=str(triton_device), cuda_graphs=True)
+    # (float32 on CUDA too: in 16 bits eager passes and graph steps run other kernels and round apart)
+    eager = load_engine(DEMO, device=str(triton_device), dtype="float32")
+    graphs = load_engine(DEMO, device=str(triton_device), dtype="float32", cuda_graphs=True)
     graphs.trunk.backends.decode_attention = "triton"
     prompt = graphs.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
     plain = decode(eager, prompt, None, depth=0, max_new_tokens=32)[0]
