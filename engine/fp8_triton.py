@@ -286,9 +286,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     M, K = x2.shape
     N = weight.shape[0]
     stream = kind.startswith("stream")  # (stream, streambits: one row; streamrows: its tiles, a few rows)
-    # the stream forms' tile width, and the row form's for a 16-bit weight (no scale block to keep); else a scale
-    # block's
-    block_k = wide[0] if stream or (wide and kind == "rows" and not scaled) else BLOCK
+    block_k = wide[0] if stream else BLOCK  # (the stream forms' tile width; the others' is a scale block)
     blocks = triton.cdiv(K, block_k)
     ks = min(ks, blocks)
     slices = triton.cdiv(blocks, ks)
@@ -310,7 +308,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, 
     elif kind == "rows":
         _fp8_rows[(triton.cdiv(N, block_n), slices)](
             x2, weight, scale, out, part, locks, M, N, K, x2.stride(0), weight.stride(0), scale.stride(0),
-            KS=ks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SCALED=scaled, num_warps=warps,
+            KS=ks, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, SCALED=scaled, num_warps=warps,
             num_stages=stages, **pdl(x2))
     else:
         bits = kind == "dotbits" and scaled and x2.dtype == torch.bfloat16  # (else: Triton's conversion, if any)

@@ -37,16 +37,15 @@ CUBLAS = None  # the choice "F.linear"
 # with the rows), and the stream form's configurations at one row (fp8_triton.CONFIGS). At four rows the row form's
 # small tiles too: on a small model a call is mostly its latency (the demo model on an H100: the dot form 3.3 us a
 # call at four rows where one row's stream form took 2.0, cycle_demo_63_h100.json), and timing keeps what wins.
-# The row form's wide tiles (a 5th element: BLOCK_K, 16-bit weights only) hold a whole 384-512-column row of the
-# demo's weights a tile, as one row's stream form does, where the dot form reads 128 columns a step in a chain
-WIDE_ROWS = [(8, ALL, 4, 2, 512), (4, ALL, 4, 2, 512), (16, ALL, 8, 2, 512), (8, ALL, 4, 2, 256)]
+# (Stop 70's wide row tiles, a whole 256-512-column stretch of a row a tile, lost to the dot form at every demo
+# shape at four rows on the H100: 2.7-2.9 us a call against 1.9-2.7, quant_kernels_bf16_demo71_h100.json; deleted.)
 CANDIDATES = {
     1: [("rows", (64, 4, 4, 3)), ("rows", (64, ALL, 8, 3)), ("rows", (64, 8, 4, 4)), ("rows", (64, 16, 8, 4)),
         ("rows", (32, 2, 4, 3)), ("rows", (16, 1, 4, 3)), ("dot", (64, 4, 4, 3)), ("dot", (64, ALL, 4, 3))]
     + [("stream", c) for c in CONFIGS["stream"]],
     4: [("dot", (64, 4, 4, 3)), ("dot", (64, 16, 4, 4)), ("dot", (64, ALL, 4, 3)), ("dot", (32, 2, 4, 3)),
         ("dot", (16, 2, 2, 3)), ("rows", (32, 2, 4, 3)), ("rows", (16, 1, 4, 3)), ("rows", (64, 4, 4, 3))]
-    + [("streamrows", c) for c in CONFIGS["streamrows"]] + [("rows", c) for c in WIDE_ROWS],
+    + [("streamrows", c) for c in CONFIGS["streamrows"]],
 }
 _chosen: dict[tuple, tuple | None] = {}  # (N, K, bucket, device index) -> the timed choice (None: cuBLAS)
 

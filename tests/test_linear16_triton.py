@@ -11,7 +11,7 @@ from engine.splitk import bucket
 
 
 @pytest.mark.parametrize("verify", [("dot", (16, 2, 2, 3)), ("rows", (16, 1, 4, 3)),  # (all are candidates)
-                                    ("streamrows", (4, 1 << 20, 4, 2, 256)), ("rows", (8, 1 << 20, 4, 2, 256))])
+                                    ("streamrows", (4, 1 << 20, 4, 2, 256))])
 def test_the_op_runs_the_choice_of_its_width_and_cublas_for_any_other(triton_device, monkeypatch, verify):
     dtype = torch.bfloat16 if triton_device.type == "cuda" else torch.float16
     g = torch.Generator().manual_seed(0)

@@ -5,7 +5,7 @@ new kernel form earns (or loses) its place in CONFIGS; install() then times the 
 `--quant bf16`: the FP8 kernels streaming 16-bit weights (no scale) against cuBLAS at the 16-bit linears of a
 model's decode step (`--shapes 80b`: the 80B-A3B's; `--shapes demo`: the demo model's, where a call is mostly its
 latency; GDN's b + a and the 80B's router stay bf16 in FP8 releases, as does the lm_head), with a few narrow-tile
-configurations for the tiny ones and the row form's wide tiles (linear16_triton.WIDE_ROWS).
+configurations for the tiny ones.
 
     python3 packaging/bench/quant_kernels.py [--quant int4,fp8,bf16] [--shapes 27b|80b|demo] [--rows 1,4] [--json OUT]
 """
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from engine import fp8, fp8_triton, int4_triton, linear16_triton  # noqa: E402
+from engine import fp8, fp8_triton, int4_triton  # noqa: E402
 from engine.splitk import graph_ms  # noqa: E402
 
 # (name, N, K): the 27B shape's quantized linears, fused where fusion.py fuses them (as fp8_ops.py's)
@@ -59,7 +59,6 @@ def fp8_case(n: int, k: int):
 def bf16_case(n: int, k: int):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     configs = {kind: c + (NARROW if kind != "stream" else []) for kind, c in fp8_triton.CONFIGS.items()}
-    configs["rows"] = configs["rows"] + linear16_triton.WIDE_ROWS  # (16-bit weights: tiles of a whole row)
     return (lambda x, choice: fp8_triton._launch(x, w, None, choice)), configs, w.numel() * 2
 
 
