@@ -131,11 +131,13 @@ class MTPHead(nn.Module):
         launch where the argmax kernel is chosen). Writes KV at pos..pos+T-1.
         """
         trunk = self.trunk
-        fold = argmax_of is not None and trunk.backends.argmax == "triton"
-        x = (two_norms(trunk.embed, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, tokens, hidden,
-                       argmax_of if fold else None) if self.one_launch_input and (fold or argmax_of is None) else None)
+        if argmax_of is not None and not (self.one_launch_input and trunk.backends.argmax == "triton"):
+            argmax(argmax_of, trunk.backends, out=tokens)  # (no kernel to fold it into)
+            argmax_of = None
+        x = (two_norms(trunk.embed, self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, tokens, hidden, argmax_of)
+             if self.one_launch_input else None)
         if x is None:
-            if argmax_of is not None:
+            if argmax_of is not None:  # (two_norms declined: nothing launched)
                 argmax(argmax_of, trunk.backends, out=tokens)
             x = torch.cat([self.pre_fc_norm_embedding(trunk.embed(tokens)), self.pre_fc_norm_hidden(hidden)], -1)
         h = self.fc(x)  # embedding first, hidden second
