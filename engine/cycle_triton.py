@@ -187,10 +187,11 @@ def accept(logits: torch.Tensor, tokens: torch.Tensor, backends, also: torch.Ten
     out = torch.empty(2 * T, dtype=torch.long, device=logits.device)
     fused = backends.argmax == "triton" and logits.stride(-1) == 1
     targets = out if fused else torch.argmax(logits, -1)
-    _accept_kernel[(T if fused else 1,)](targets, tokens, out, out if also is None else also, logits,
-                                         counters(logits.device), logits.shape[-1], logits.stride(0), T=T,
-                                         BT=triton.next_power_of_2(T), ALSO=also is not None, ARGMAX=fused,
-                                         BLOCK=ARGMAX_BLOCK, num_warps=8 if fused else 1, **pdl(out))
+    lock = counters(logits.device) if fused else out  # (a counter only where the rows' programs arrive)
+    _accept_kernel[(T if fused else 1,)](targets, tokens, out, out if also is None else also, logits, lock,
+                                         logits.shape[-1], logits.stride(0), T=T, BT=triton.next_power_of_2(T),
+                                         ALSO=also is not None, ARGMAX=fused, BLOCK=ARGMAX_BLOCK,
+                                         num_warps=8 if fused else 1, **pdl(out))
     return out
 
 
